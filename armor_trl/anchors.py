@@ -1,0 +1,54 @@
+"""Anchor Rollout bookkeeping (ARMOR.md, "Anchor Rollout"), as pure functions of indices and tensors.
+
+Layout: a generation round holds groups of G consecutive rows with the same prompt. ARMOR keeps the
+first G−1 rows of each group for on-policy completions and the last row for the anchor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def anchor_rows(num_rows: int, num_generations: int) -> list[int]:
+    """Row index of the anchor slot of each group (the group's last row)."""
+    return list(range(num_generations - 1, num_rows, num_generations))
+
+
+def policy_rows(num_rows: int, num_generations: int) -> list[int]:
+    """Row indices of the on-policy slots (all but each group's last row)."""
+    return [i for i in range(num_rows) if i % num_generations != num_generations - 1]
+
+
+def verified_mask(rewards_per_func: torch.Tensor, weights: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Which candidates are correct: weighted total reward ≥ threshold, and no reward function returned None (NaN)."""
+    weighted = (rewards_per_func * weights.to(rewards_per_func)).sum(dim=1)
+    return ~torch.isnan(rewards_per_func).any(dim=1) & (weighted >= threshold)
+
+
+def select_anchors(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_candidates: int, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the first verified candidate of each group.
+
+    ``rewards_per_func`` holds (groups × K, F) rewards, K consecutive candidates per group.
+    Returns (index in [0, K) or −1 where none is verified, weighted reward of the pick or NaN).
+    """
+    verified = verified_mask(rewards_per_func, weights, threshold).view(-1, num_candidates)
+    weighted = (rewards_per_func * weights.to(rewards_per_func)).sum(dim=1).view(-1, num_candidates)
+    found = verified.any(dim=1)
+    first = verified.int().argmax(dim=1)  # first True; 0 when none (masked below)
+    chosen = torch.where(found, first, torch.full_like(first, -1))
+    reward = torch.where(found, weighted.gather(1, first.unsqueeze(1)).squeeze(1), torch.full_like(weighted[:, 0], float("nan")))
+    return chosen, reward
+
+
+def fill_groups(policy_items: list, anchor_items: list, num_generations: int) -> list:
+    """Interleave G−1 on-policy items per group with the group's anchor item, in row order."""
+    per_group = num_generations - 1
+    if len(policy_items) != per_group * len(anchor_items):
+        raise ValueError(f"expected {per_group} on-policy items per anchor, got {len(policy_items)} for {len(anchor_items)}")
+    rows = []
+    for group, anchor in enumerate(anchor_items):
+        rows.extend(policy_items[group * per_group : (group + 1) * per_group])
+        rows.append(anchor)
+    return rows

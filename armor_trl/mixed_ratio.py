@@ -1,0 +1,70 @@
+"""ARMOR's Mixed Optimization as pure tensor functions (ARMOR.md, "Mixed Optimization").
+
+Everything here is a function of tensors and floats; nothing imports TRL. The trainer feeds
+``mixed_logprobs`` into TRL's clipped surrogate for both the current and the old policy, so that
+``exp(mix(logπ_θ) − mix(logπ_old))`` is the mixed ratio r_mix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _check_alpha(alpha: float) -> None:
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must lie in (0, 1], got {alpha}.")
+
+
+def mixed_logprobs(logp: torch.Tensor, ref_logp: torch.Tensor, alpha: float) -> torch.Tensor:
+    """log(α·exp(logp) + (1−α)·exp(ref_logp)), computed in log space.
+
+    Finite wherever the inputs are finite; when one input is −inf the result is the other term
+    (plus its log-weight); α = 1 returns ``logp`` itself, so the ordinary ratio comes back exactly.
+    Gradients flow to ``logp`` only through the α-weighted term.
+    """
+    _check_alpha(alpha)
+    if alpha == 1.0:
+        return logp
+    ref_logp = ref_logp.to(logp.dtype)
+    log_alpha, log_one_minus_alpha = math.log(alpha), math.log1p(-alpha)
+    return torch.logaddexp(logp + log_alpha, ref_logp + log_one_minus_alpha)
+
+
+def mixed_ratio(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, alpha: float) -> torch.Tensor:
+    """r_mix = (α·π_θ + (1−α)·π_ref) / (α·π_old + (1−α)·π_ref), per token."""
+    return torch.exp(mixed_logprobs(logp, ref_logp, alpha) - mixed_logprobs(old_logp, ref_logp, alpha))
+
+
+def trust_region_bounds(
+    old_prob: torch.Tensor, ref_prob: torch.Tensor, alpha: float, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of π_θ at which r_mix reaches 1 − ε_low and 1 + ε_high (ARMOR.md, trust region).
+
+    lower = (1 − ε_low)·π_old − ε_low·(1−α)/α·π_ref
+    upper = (1 + ε_high)·π_old + ε_high·(1−α)/α·π_ref
+
+    These are the raw formulas: a negative lower bound means the clip never binds from below for
+    that token, and an upper bound above 1 means it never binds from above.
+    """
+    _check_alpha(alpha)
+    ref_weight = (1.0 - alpha) / alpha
+    lower = (1.0 - eps_low) * old_prob - eps_low * ref_weight * ref_prob
+    upper = (1.0 + eps_high) * old_prob + eps_high * ref_weight * ref_prob
+    return lower, upper
+
+
+def default_alpha(num_generations: int) -> float:
+    """α = (G−1)/G: the share of on-policy completions in a group that holds one anchor."""
+    return (num_generations - 1) / num_generations
+
+
+def k3_kl(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(p‖q) from samples of p: exp(q−p) − (q−p) − 1 with p=logp, q=other_logp.
+
+    Non-negative and unbiased; used for the reverse KL (samples from π_θ) and, with the arguments
+    swapped, the forward KL (samples from π_ref, i.e. anchors).
+    """
+    delta = other_logp - logp
+    return torch.exp(delta) - delta - 1.0

@@ -1,0 +1,201 @@
+"""The reference policy π_ref: build, reset, save and restore.
+
+ARMOR needs π_ref at β = 0, where TRL builds none, so the trainer owns it. Two kinds:
+
+* ``full``: a separate frozen model, built from a path like TRL builds its reference model, or
+  from a copy of the initial policy;
+* ``lora``: a frozen second adapter ("ref") beside the trained adapter of a PEFT policy. Before the
+  first reset it equals the initial adapter; a reset copies adapter-sized weights.
+
+A reset makes π_ref an exact copy of the current policy (ARMOR.md, "Reference reset").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+REF_ADAPTER = "ref"
+STATE_FILE = "armor_state.json"
+REF_WEIGHTS_FILE = "armor_reference.pt"
+
+
+def reset_due(step: int, reset_steps: int | None, every_step_until: int | None) -> bool:
+    """Whether the reference is reset right after optimizer step ``step`` (1-based).
+
+    Up to ``every_step_until`` (inclusive) every step resets; after it, steps that are multiples of
+    ``reset_steps`` do; with ``reset_steps=None`` nothing resets after the hybrid phase.
+    """
+    if step < 1:
+        return False
+    if every_step_until is not None and step <= every_step_until:
+        return True
+    return reset_steps is not None and step % reset_steps == 0
+
+
+def _gathered(params: list[nn.Parameter], modifier_rank: int | None = None):
+    """Gather DeepSpeed ZeRO-3 partitioned parameters for the block (a no-op for ordinary tensors)."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def copy_parameters(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+    """Copy each source parameter into its target, in place (``pairs`` = [(target, source), ...])."""
+    for target, source in pairs:
+        with _gathered([source]), _gathered([target], modifier_rank=0):
+            target.data.copy_(source.data)
+
+
+class ReferencePolicy:
+    """π_ref for ARMOR, either a separate frozen model (``kind="full"``) or a LoRA adapter (``kind="lora"``)."""
+
+    def __init__(self, kind: str, model: nn.Module | None = None, trained_adapter: str | None = None):
+        if kind not in ("full", "lora"):
+            raise ValueError(f"kind must be 'full' or 'lora', got {kind!r}")
+        self.kind = kind
+        self.model = model
+        self.trained_adapter = trained_adapter
+        self.resets = 0
+        self.last_reset_step = 0
+
+    # --- build -------------------------------------------------------------------------------------------------
+    @classmethod
+    def full(cls, model: nn.Module) -> "ReferencePolicy":
+        model.eval()
+        for param in model.parameters():
+            param.requires_grad_(False)
+        return cls("full", model=model)
+
+    @classmethod
+    def lora(cls, peft_model: nn.Module) -> "ReferencePolicy":
+        """Add a frozen "ref" adapter that copies the policy's active adapter."""
+        trained = peft_model.active_adapter
+        if REF_ADAPTER in peft_model.peft_config:
+            raise ValueError(
+                f"The PEFT model already has an adapter named {REF_ADAPTER!r}; ARMOR uses that name for the reference "
+                "adapter. Rename or delete it first."
+            )
+        peft_model.add_adapter(REF_ADAPTER, peft_model.peft_config[trained])
+        reference = cls("lora", model=None, trained_adapter=trained)
+        reference.copy_from(peft_model)
+        for name, param in peft_model.named_parameters():
+            if f".{REF_ADAPTER}." in name:
+                param.requires_grad_(False)
+        return reference
+
+    # --- reset -------------------------------------------------------------------------------------------------
+    def _pairs(self, policy: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        if self.kind == "lora":
+            params = dict(policy.named_parameters())
+            marker, ref_marker = f".{self.trained_adapter}.", f".{REF_ADAPTER}."
+            pairs = [(params[name.replace(marker, ref_marker)], p) for name, p in params.items() if marker in name]
+        else:
+            ref_params = dict(self.model.named_parameters())
+            pol_params = dict(policy.named_parameters())
+            if ref_params.keys() != pol_params.keys():
+                missing = sorted(set(pol_params) ^ set(ref_params))[:5]
+                raise ValueError(
+                    "Cannot reset the reference: its parameters do not match the policy's "
+                    f"(first differing names: {missing}). ref_model must have the policy's architecture."
+                )
+            pairs = [(ref_params[name], p) for name, p in pol_params.items()]
+        if not pairs:
+            raise ValueError("Cannot reset the reference: found no parameters to copy.")
+        return pairs
+
+    def copy_from(self, policy: nn.Module) -> None:
+        """Make the reference an exact copy of ``policy`` (the unwrapped policy model)."""
+        copy_parameters(self._pairs(policy))
+
+    def reset(self, policy: nn.Module, step: int) -> None:
+        self.copy_from(policy)
+        self.resets += 1
+        self.last_reset_step = step
+
+    # --- use ---------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def active(self, policy: nn.Module):
+        """Within the block, a LoRA policy runs as the reference (the "ref" adapter is active)."""
+        if self.kind != "lora":
+            yield
+            return
+        from trl.trainer.utils import use_adapter
+
+        with use_adapter(policy, adapter_name=REF_ADAPTER):
+            yield
+
+    def parameters_of(self, policy: nn.Module) -> list[nn.Parameter]:
+        """The reference's own parameters (for tests and checkpoints)."""
+        return [target for target, _ in self._pairs(policy)]
+
+    # --- save / restore ----------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"kind": self.kind, "resets": self.resets, "last_reset_step": self.last_reset_step}
+
+    def save(self, directory: str, policy: nn.Module) -> None:
+        """Write what rebuilds this reference exactly: its weights (or the ref adapter's) and the reset count."""
+        tensors = {}
+        for index, (target, _) in enumerate(self._pairs(policy)):
+            with _gathered([target]):
+                tensors[index] = target.detach().cpu().clone()
+        torch.save(tensors, os.path.join(directory, REF_WEIGHTS_FILE))
+        with open(os.path.join(directory, STATE_FILE), "w") as f:
+            json.dump(self.state(), f)
+
+    def load(self, directory: str, policy: nn.Module) -> None:
+        path = os.path.join(directory, REF_WEIGHTS_FILE)
+        if not os.path.exists(path):
+            raise ValueError(
+                f"Checkpoint {directory} has no {REF_WEIGHTS_FILE}: it was not written by ArmorGRPOTrainer, so the "
+                "reference it trained against cannot be restored."
+            )
+        tensors = torch.load(path, map_location="cpu")
+        targets = [target for target, _ in self._pairs(policy)]
+        if len(tensors) != len(targets):
+            raise ValueError(f"Checkpoint {directory} holds a reference of a different shape than this run's.")
+        with torch.no_grad():
+            for index, target in enumerate(targets):
+                with _gathered([target], modifier_rank=0):
+                    if target.shape != tensors[index].shape:
+                        raise ValueError(f"Checkpoint {directory} holds a reference of a different shape than this run's.")
+                    target.data.copy_(tensors[index].to(target.device, target.dtype))
+        with open(os.path.join(directory, STATE_FILE)) as f:
+            state = json.load(f)
+        if state.get("kind") != self.kind:
+            raise ValueError(
+                f"Checkpoint {directory} holds a {state.get('kind')!r} reference but this run uses a {self.kind!r} one "
+                "(LoRA and full-model runs cannot resume each other)."
+            )
+        self.resets = state["resets"]
+        self.last_reset_step = state["last_reset_step"]
+
+
+def copy_model_for_reference(model: nn.Module) -> nn.Module:
+    """A detached copy of a policy instance, taken before TRL patches the policy's forward."""
+    return copy.deepcopy(model)
+
+
+class ReferenceResetCallback(TrainerCallback):
+    """Resets the reference on ARMOR's schedule, right after each optimizer step."""
+
+    def __init__(self, reference: ReferencePolicy, get_policy, reset_steps: int | None, every_step_until: int | None):
+        self.reference = reference
+        self.get_policy = get_policy
+        self.reset_steps = reset_steps
+        self.every_step_until = every_step_until
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if reset_due(state.global_step, self.reset_steps, self.every_step_until):
+            self.reference.reset(self.get_policy(), state.global_step)
+        return control

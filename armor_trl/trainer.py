@@ -1,0 +1,386 @@
+"""ArmorGRPOTrainer: TRL's GRPOTrainer with Anchor Rollout, Mixed Optimization and reference resets.
+
+How one generation round differs from GRPO (train mode, ARMOR on):
+
+1. ``_generate_single_turn`` samples G−1 on-policy completions per group (not G), samples
+   ``anchor_num_samples`` candidates per group from π_ref, scores them with the trainer's own
+   reward functions (quietly, see ``trl_seam.score_quietly``) and puts the first verified one in the
+   group's last row. Rewards and advantages are then computed by TRL with the anchor as a member.
+2. ``_generate_and_score_completions`` adds π_ref's per-token log-probs and an anchor flag to the
+   batch (they travel with their rows through TRL's shuffle and split), and masks groups per
+   ``anchor_filter``.
+3. ``_compute_loss`` lets TRL build its clipped surrogate from mixture log-probs
+   log(α·π + (1−α)·π_ref) for both the current and old policy, which makes TRL's ratio r_mix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from accelerate.utils import gather, is_peft_model
+from transformers import ProcessorMixin
+from trl import GRPOTrainer
+from trl.models import prepare_deepspeed, prepare_fsdp
+from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
+from trl.trainer.utils import get_config_model_id
+
+from . import trl_seam as seam
+from .anchors import anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
+from .config import ArmorConfig
+from .mixed_ratio import k3_kl, mixed_logprobs
+from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference
+
+
+class ArmorGRPOTrainer(GRPOTrainer):
+    """Drop-in replacement for ``trl.GRPOTrainer`` that trains with ARMOR (arXiv 2607.10481).
+
+    Takes every argument of ``GRPOTrainer`` (with an [`ArmorConfig`] as ``args``) plus ``ref_model``:
+    the initial reference policy, as a path, hub id or model instance. ``None`` means a copy of the
+    initial policy (for LoRA: a frozen copy of the initial adapter).
+    """
+
+    _tag_names = ["trl", "grpo", "armor"]
+
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: ArmorConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+        ref_model=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = ArmorConfig(f"{name.split('/')[-1]}-ARMOR")
+        if not isinstance(args, ArmorConfig):
+            raise ValueError(
+                f"args must be an armor_trl.ArmorConfig, got {type(args).__name__}. ArmorConfig accepts every "
+                "GRPOConfig field: replace GRPOConfig(...) with ArmorConfig(...)."
+            )
+        uses_peft = peft_config is not None or (not isinstance(model, str) and is_peft_model(model))
+        self._check_combinations(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft)
+
+        self.reference: ReferencePolicy | None = None
+        self._armor_inputs = None  # the rows of the generation round being built (anchor rounds only)
+        self._armor_round = None  # anchors found in that round
+        self._armor_loss_ctx = None  # reference log-probs of the micro-batch whose loss is being computed
+        # A policy instance is copied before TRL patches its forward (a later deep copy would keep that patch).
+        ref_copy = None
+        if args.armor_enabled and not uses_peft and ref_model is None and not isinstance(model, str):
+            ref_copy = copy_model_for_reference(model)
+
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
+        if not args.armor_enabled:
+            return  # both ablation switches off: exactly GRPOTrainer
+        if args.use_anchors and self._is_vlm:
+            raise ValueError("use_anchors=True does not support vision-language models (multimodal prompts) yet.")
+        self.armor_alpha = args.resolved_alpha
+        if is_peft_model(self.model):
+            self.reference = ReferencePolicy.lora(self.model)
+        else:
+            self.reference = ReferencePolicy.full(self._build_reference_model(ref_model, ref_copy, quantization_config))
+        self.add_callback(
+            ReferenceResetCallback(
+                self.reference, self._unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until
+            )
+        )
+
+    # --- construction ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_combinations(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft):
+        if not args.armor_enabled:
+            return
+        if ref_model is not None and uses_peft:
+            raise ValueError(
+                "ref_model cannot be combined with LoRA (peft_config or a PeftModel): the LoRA reference is a frozen "
+                "copy of the adapter. Merge the adapter you want as reference into the base model instead."
+            )
+        if not args.use_anchors:
+            return
+        unsupported = {
+            "use_vllm=True": args.use_vllm,
+            "use_transformers_continuous_batching=True": args.use_transformers_continuous_batching,
+            "tools": bool(tools),
+            "rollout_func": rollout_func is not None,
+            "environment_factory": environment_factory is not None,
+            "a multimodal processing_class": isinstance(processing_class, ProcessorMixin),
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(
+                    f"use_anchors=True is not supported with {what} yet: anchors are sampled on the transformers "
+                    "generation path. Set use_anchors=False to train with the mixed ratio only, or drop that option."
+                )
+
+    def _build_reference_model(self, ref_model, ref_copy, quantization_config):
+        args = self.args
+        if isinstance(ref_model, torch.nn.Module):
+            reference = ref_model
+        elif ref_copy is not None:
+            reference = ref_copy
+        else:
+            source = ref_model if isinstance(ref_model, str) else get_config_model_id(self.model.config)
+            init_kwargs = dict(args.model_init_kwargs or {})
+            if quantization_config is not None:
+                init_kwargs["quantization_config"] = quantization_config
+            if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+                init_kwargs["device_map"] = None
+            init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            init_kwargs.setdefault("dtype", self.model.dtype)
+            try:
+                reference = create_model_from_path(source, **init_kwargs)
+            except (OSError, ValueError) as error:
+                raise ValueError(f"ref_model {source!r} could not be loaded as a causal LM: {error}") from error
+        if args.disable_dropout:
+            disable_dropout_in_model(reference)
+        add_fused_lm_head(reference, temperature=self.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
+        if self.is_deepspeed_enabled:
+            return prepare_deepspeed(reference, self.accelerator)
+        if self.is_fsdp_enabled:
+            return prepare_fsdp(reference, self.accelerator)
+        return self.accelerator.prepare_model(reference, evaluation_mode=True)
+
+    def _unwrapped_policy(self):
+        return self.accelerator.unwrap_model(self.model_wrapped)
+
+    def _reference_model(self):
+        """The model to run as π_ref: the separate reference, or the policy itself with the "ref" adapter active."""
+        return self.reference.model if self.reference.kind == "full" else self.model
+
+    def _reference_ready(self):
+        """Context in which ``_reference_model()`` computes π_ref (activates the LoRA "ref" adapter)."""
+        return self.reference.active(self._unwrapped_policy())
+
+    # --- anchor rollout ----------------------------------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        training = self.reference is not None and self.model.training
+        self._armor_inputs = inputs if training and self.args.use_anchors else None
+        self._armor_round = None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._armor_inputs = None
+        if training:
+            output = self._add_armor_fields(output)
+        self._armor_round = None
+        return output
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._armor_inputs is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        rows, group_size = len(prompt_ids), num_generations
+        on_policy_ids, _ = super()._generate_single_turn(
+            [prompt_ids[i] for i in policy_rows(rows, group_size)], images, multimodal_fields, group_size - 1
+        )
+        slots = anchor_rows(rows, group_size)
+        anchor_ids = self._sample_anchors([prompt_ids[i] for i in slots], [self._armor_inputs[i] for i in slots])
+        return fill_groups(on_policy_ids, anchor_ids, group_size), None
+
+    def _sample_anchors(self, group_prompt_ids: list, group_inputs: list[dict]) -> list:
+        """Sample K reference candidates per group, score them, and return one completion per group.
+
+        Where no candidate is verified the group's slot still gets a candidate (so shapes stay
+        fixed) and ``_armor_round["found"]`` marks it; it is then excluded from the group.
+        """
+        k = self.args.anchor_num_samples
+        candidate_prompt_ids = [ids for ids in group_prompt_ids for _ in range(k)]
+        candidate_inputs = [row for row in group_inputs for _ in range(k)]
+        reference = self.reference.model if self.reference.kind == "full" else None
+        with self._reference_ready(), seam.generating_with(self, reference):
+            candidate_ids = seam.generate(self, candidate_prompt_ids, k)
+        prompts = [row["prompt"] for row in candidate_inputs]
+        completions = seam.decode(self, candidate_ids, seam.is_conversational_prompt(prompts[0]))
+        rewards = seam.score_quietly(self, candidate_inputs, prompts, completions, candidate_ids)
+        weights = self.reward_weights.to(rewards.device)
+        chosen, anchor_reward = select_anchors(rewards, weights, k, self.args.anchor_reward_threshold)
+        self._armor_round = {
+            "found": chosen >= 0,
+            "reward": anchor_reward,
+            "candidates_verified": verified_mask(rewards, weights, self.args.anchor_reward_threshold).float(),
+        }
+        return [candidate_ids[group * k + max(index, 0)] for group, index in enumerate(chosen.tolist())]
+
+    def _empty_slots(self, rows: int, device) -> torch.Tensor:
+        """Local rows whose anchor slot holds no verified anchor."""
+        empty = torch.zeros(rows, dtype=torch.bool, device=device)
+        if self._armor_round is not None:
+            slots = torch.tensor(anchor_rows(rows, self.num_generations), device=device)
+            empty[slots[~self._armor_round["found"].to(device)]] = True
+        return empty
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._armor_round is None:
+            return rewards
+        rows, device = len(prompts), rewards.device
+        # An empty anchor slot is no member of its group: NaN keeps it out of TRL's group mean/std (nan-aware).
+        empty = gather(self._empty_slots(rows, device).int()).bool()
+        rewards[empty] = float("nan")
+        is_policy = torch.ones(rows, dtype=torch.bool, device=device)
+        is_policy[anchor_rows(rows, self.num_generations)] = False
+        policy_rewards = (rewards * self.reward_weights.to(device)).sum(dim=1)[is_policy.repeat(len(rewards) // rows)]
+        seam.log_metric(self, "armor/policy_reward_mean", torch.nanmean(policy_rewards).item())
+        return rewards
+
+    def _add_armor_fields(self, output: dict) -> dict:
+        device = output["completion_ids"].device
+        rows, group_size = output["completion_ids"].size(0), self.num_generations
+        completion_mask = output["completion_mask"]
+        if self.args.use_mixed_ratio:
+            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention_mask = torch.cat([output["prompt_mask"], completion_mask], dim=1)
+            with torch.no_grad(), self._reference_ready():
+                output["armor_ref_logps"] = seam.per_token_logps(
+                    self,
+                    self._reference_model(),
+                    input_ids,
+                    attention_mask,
+                    output["completion_ids"].size(1),
+                    self.args.per_device_train_batch_size,
+                )
+        is_anchor = torch.zeros(rows, dtype=torch.bool, device=device)
+        if self._armor_round is not None:
+            found = self._armor_round["found"].to(device)
+            slots = torch.tensor(anchor_rows(rows, group_size), device=device)
+            is_anchor[slots[found]] = True
+            keep = ~self._empty_slots(rows, device)
+            if self.args.anchor_filter == "drop":
+                keep &= found.repeat_interleave(group_size)
+            output["advantages"] = output["advantages"] * keep
+            output["completion_mask"] = completion_mask * keep.unsqueeze(1).to(completion_mask.dtype)
+            loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+            self._log_anchor_metrics(output, found, is_anchor)
+        output["armor_is_anchor"] = is_anchor
+        seam.log_metric(self, "armor/ref_resets", self.reference.resets)
+        return output
+
+    def _log_anchor_metrics(self, output: dict, found: torch.Tensor, is_anchor: torch.Tensor) -> None:
+        all_found = gather(found.float())
+        seam.log_metric(self, "armor/anchor_found_frac", all_found.mean().item())
+        dropped = 1.0 - all_found.mean().item() if self.args.anchor_filter == "drop" else 0.0
+        seam.log_metric(self, "armor/groups_dropped_frac", dropped)
+        seam.log_metric(self, "armor/anchor_reward_mean", torch.nanmean(gather(self._armor_round["reward"])).item())
+        seam.log_metric(
+            self, "armor/candidates_verified_frac", gather(self._armor_round["candidates_verified"]).mean().item()
+        )
+        lengths = output["completion_mask"].sum(dim=1).float()
+        stats = torch.stack(
+            [
+                (output["advantages"] * is_anchor).sum(),
+                (lengths * is_anchor).sum(),
+                is_anchor.sum().float(),
+            ]
+        )
+        advantage_sum, length_sum, count = self.accelerator.reduce(stats, reduction="sum").tolist()
+        seam.log_metric(self, "armor/anchor_advantage_mean", advantage_sum / count if count else math.nan)
+        seam.log_metric(self, "armor/anchor_length_mean", length_sum / count if count else math.nan)
+
+    # --- mixed optimization ------------------------------------------------------------------------------------
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+        context = self._armor_loss_ctx
+        if context is not None and "logps" not in context:
+            # Inside _compute_loss: hand TRL the mixture log-probs, so its ratio becomes r_mix.
+            context["logps"] = logps
+            logps = mixed_logprobs(logps, context["ref_logps"], self.armor_alpha)
+        return logps, entropies, aux_loss
+
+    def _compute_loss(self, model, inputs):
+        ref_logps = inputs.get("armor_ref_logps")
+        if ref_logps is None or not self.model.training:
+            return super()._compute_loss(model, inputs)
+        old_logps = inputs.get("old_per_token_logps")
+        mixed_old = None if old_logps is None else mixed_logprobs(old_logps, ref_logps, self.armor_alpha)
+        if mixed_old is not None:
+            inputs = {**inputs, "old_per_token_logps": mixed_old}
+        self._armor_loss_ctx = {"ref_logps": ref_logps}
+        try:
+            loss = super()._compute_loss(model, inputs)
+            context = self._armor_loss_ctx
+        finally:
+            self._armor_loss_ctx = None
+        self._log_ratio_metrics(inputs, context["logps"].detach(), ref_logps, mixed_old)
+        return loss
+
+    @torch.no_grad()
+    def _log_ratio_metrics(self, inputs, logps, ref_logps, mixed_old) -> None:
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        mask = mask.bool()
+        mixed = mixed_logprobs(logps, ref_logps, self.armor_alpha)
+        ratio = torch.exp(mixed - (mixed if mixed_old is None else mixed_old))
+        advantages = inputs["advantages"].unsqueeze(1) if inputs["advantages"].dim() == 1 else inputs["advantages"]
+        anchor = inputs["armor_is_anchor"].unsqueeze(1) & mask
+        policy = ~inputs["armor_is_anchor"].unsqueeze(1) & mask
+        low = (ratio < 1 - self.epsilon_low) & (advantages < 0) & mask
+        high = (ratio > 1 + self.epsilon_high) & (advantages > 0) & mask
+        sums = torch.stack(
+            [
+                (ratio * policy).sum(),
+                policy.sum(),
+                (ratio * anchor).sum(),
+                anchor.sum(),
+                low.sum(),
+                high.sum(),
+                mask.sum(),
+                (k3_kl(logps, ref_logps) * policy).sum(),  # reverse KL(π_θ‖π_ref), on-policy samples
+                (k3_kl(ref_logps, logps) * anchor).sum(),  # forward KL(π_ref‖π_θ), anchor samples
+            ]
+        ).float()
+        total = self.accelerator.reduce(sums, reduction="sum").tolist()
+        extremes = torch.stack(
+            [
+                torch.where(policy, ratio, math.inf).min(),
+                -torch.where(policy, ratio, -math.inf).max(),
+                torch.where(anchor, ratio, math.inf).min(),
+                -torch.where(anchor, ratio, -math.inf).max(),
+            ]
+        ).float()
+        policy_min, neg_policy_max, anchor_min, neg_anchor_max = (
+            self.accelerator.gather(extremes.unsqueeze(0)).min(dim=0).values.tolist()
+        )
+
+        def share(numerator, denominator):
+            return numerator / denominator if denominator else math.nan
+
+        seam.log_metric(self, "armor/ratio_policy_mean", share(total[0], total[1]))
+        seam.log_metric(self, "armor/ratio_anchor_mean", share(total[2], total[3]))
+        for name, value in (
+            ("armor/ratio_policy_min", policy_min),
+            ("armor/ratio_policy_max", -neg_policy_max),
+            ("armor/ratio_anchor_min", anchor_min),
+            ("armor/ratio_anchor_max", -neg_anchor_max),
+        ):
+            seam.log_metric(self, name, value if math.isfinite(value) else math.nan)
+        seam.log_metric(self, "armor/clip_low_frac", share(total[4], total[6]))
+        seam.log_metric(self, "armor/clip_high_frac", share(total[5], total[6]))
+        seam.log_metric(self, "armor/kl_reverse_policy", share(total[7], total[1]))
+        seam.log_metric(self, "armor/kl_forward_anchor", share(total[8], total[3]))

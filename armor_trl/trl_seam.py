@@ -1,0 +1,110 @@
+"""Every touch point of TRL's private surface, in one place.
+
+ArmorGRPOTrainer overrides a few private methods of ``trl.GRPOTrainer`` (listed in
+``OVERRIDDEN``) and calls a few more through the helpers below. ``check_trl_surface`` verifies that
+all of them still exist with the parameters we rely on; the test suite runs it against the pinned
+TRL version, so a TRL upgrade that moves them fails loudly instead of silently running plain GRPO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+from trl import GRPOTrainer
+from trl.data_utils import is_conversational
+
+# private method -> parameters we pass or receive (in order, after self)
+OVERRIDDEN = {
+    "_generate_and_score_completions": ["inputs"],
+    "_generate_single_turn": ["prompt_ids", "images", "multimodal_fields", "num_generations"],
+    "_calculate_rewards": ["inputs", "prompts", "completions", "completion_ids_list"],
+    "_get_per_token_logps_and_entropies": ["model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"],
+    "_compute_loss": ["model", "inputs"],
+}
+# private attributes read or written
+ATTRIBUTES = ("_metrics", "_pending_extra_logs", "_pending_metrics", "_tokenizer", "model_wrapped", "use_vllm")
+
+SUPPORTED_TRL = ">=1.16.0,<1.17"
+
+
+def check_trl_surface() -> list[str]:
+    """Return a list of problems with TRL's private surface (empty when everything we use is there)."""
+    problems = []
+    for name, params in OVERRIDDEN.items():
+        method = getattr(GRPOTrainer, name, None)
+        if method is None:
+            problems.append(f"GRPOTrainer.{name} is missing")
+            continue
+        actual = list(inspect.signature(method).parameters)[1:]
+        if actual[: len(params)] != params:
+            problems.append(f"GRPOTrainer.{name} takes {actual}, expected to start with {params}")
+    return problems
+
+
+def log_metric(trainer: GRPOTrainer, name: str, value: float, mode: str = "train") -> None:
+    """Append a value to TRL's metric buffer; TRL averages and logs it at the next logging step."""
+    trainer._metrics[mode][name].append(float(value))
+
+
+def generate(trainer: GRPOTrainer, prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:
+    """Sample completions with the trainer's own generation path (no tool loop, no decoding)."""
+    completion_ids, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, None, {}, num_generations)
+    return completion_ids
+
+
+@contextlib.contextmanager
+def generating_with(trainer: GRPOTrainer, model):
+    """Route the trainer's generation path through ``model`` (the reference) within the block."""
+    if model is None:
+        yield
+        return
+    policy = trainer.model_wrapped
+    trainer.model_wrapped = model
+    try:
+        yield
+    finally:
+        trainer.model_wrapped = policy
+        model.eval()
+
+
+def decode(trainer: GRPOTrainer, completion_ids: list[list[int]], conversational: bool) -> list:
+    """Decode completions the way GRPOTrainer hands them to reward functions."""
+    texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+    if conversational:
+        return [[{"role": "assistant", "content": text}] for text in texts]
+    return texts
+
+
+def is_conversational_prompt(prompt) -> bool:
+    return is_conversational({"prompt": prompt})
+
+
+def score_quietly(trainer: GRPOTrainer, inputs: list[dict], prompts: list, completions: list, completion_ids: list):
+    """Score extra completions with the trainer's reward functions, without touching what TRL logs.
+
+    Calls ``GRPOTrainer._calculate_rewards`` (which gathers across processes: every process must call
+    this with the same number of rows) and restores the pending log buffers that reward functions may
+    write to, so candidates never appear in the completions table or reward metrics.
+    Returns this process's rows of the (rows, reward functions) reward tensor, NaN where a function
+    returned None.
+    """
+    saved_extra = {k: list(v) for k, v in trainer._pending_extra_logs.items()}
+    saved_metrics = {k: list(v) for k, v in trainer._pending_metrics.items()}
+    try:
+        gathered = GRPOTrainer._calculate_rewards(trainer, inputs, prompts, completions, completion_ids)
+    finally:
+        trainer._pending_extra_logs.clear()
+        trainer._pending_extra_logs.update(saved_extra)
+        trainer._pending_metrics.clear()
+        trainer._pending_metrics.update(saved_metrics)
+    rank, rows = trainer.accelerator.process_index, len(prompts)
+    return gathered[rank * rows : (rank + 1) * rows]
+
+
+def per_token_logps(trainer: GRPOTrainer, model, input_ids, attention_mask, logits_to_keep, batch_size):
+    """Per-token log-probs of the completion tokens under ``model`` (TRL's chunked fused-head forward)."""
+    logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+        trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+    )
+    return logps
