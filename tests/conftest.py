@@ -68,3 +68,9 @@ def cpu_args(**overrides) -> dict:
     )
     args.update(overrides)
     return args
+
+
+def digit_share_reward(completions, **kwargs):
+    """Share of digits in the completion: a graded reward, so groups almost never have zero variance."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in texts]

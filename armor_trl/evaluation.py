@@ -1,0 +1,227 @@
+"""avg@k and pass@k of a model on a verifiable dataset, and a validation callback for training.
+
+* :func:`pass_at_k` is the unbiased estimator 1 − C(n−c, k)/C(n, k) (Chen et al., 2021) from n samples with c
+  correct; avg@k is the mean accuracy over the samples of each problem, averaged over problems.
+* :func:`evaluate` samples with ``transformers`` ``generate`` (batched, temperature/top-p configurable) and
+  scores with a verifier in TRL's reward signature (:mod:`armor_trl.rewards`).
+* :class:`ValidationCallback` evaluates every N optimizer steps on a held-out set during training and logs
+  ``val/avg@k``, ``val/pass@k`` and ``val/reward_gap`` (training reward minus validation accuracy, the
+  reward–validation gap ARMOR targets) through the trainer's logging, and optionally to a JSONL file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import TrainerCallback
+
+from .rewards import completion_text
+
+# Training-reward log keys, in order of preference: ARMOR's on-policy reward (TRL's `reward` includes anchors).
+TRAIN_REWARD_KEYS = ("armor/policy_reward_mean", "reward")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct: 1 − C(n−c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _prompt_ids(tokenizer, prompts: Sequence) -> list[list[int]]:
+    """Token ids of prompts, exactly as GRPOTrainer tokenizes them (chat template for message lists)."""
+    if prompts and not isinstance(prompts[0], str):
+        out = tokenizer.apply_chat_template(
+            conversation=list(prompts), add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return [list(ids) for ids in out["input_ids"]]
+    return tokenizer(text=list(prompts))["input_ids"]
+
+
+@torch.no_grad()
+def sample_completions(
+    model,
+    tokenizer,
+    prompts: Sequence,
+    num_samples: int,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    batch_size: int = 64,
+) -> list[list[str]]:
+    """``num_samples`` decoded completions per prompt (greedy, once, repeated when ``temperature == 0``).
+
+    ``batch_size`` counts sequences (prompts × samples) per ``generate`` call. The model's train/eval mode is restored.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    greedy = temperature == 0
+    per_call = max(1, batch_size // (1 if greedy else num_samples))
+    all_ids = _prompt_ids(tokenizer, prompts)
+    results: list[list[str]] = []
+    try:
+        for start in range(0, len(all_ids), per_call):
+            chunk = all_ids[start : start + per_call]
+            width = max(len(ids) for ids in chunk)
+            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in chunk], device=device)
+            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk], device=device)
+            sampling = {} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p}
+            output = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=1 if greedy else num_samples,
+                pad_token_id=pad_id,
+                eos_token_id=tokenizer.eos_token_id,
+                **({"do_sample": False} if greedy else sampling),
+            )
+            texts = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+            step = 1 if greedy else num_samples
+            for i in range(len(chunk)):
+                group = texts[i * step : (i + 1) * step]
+                results.append(group * num_samples if greedy else group)
+    finally:
+        model.train(was_training)
+    return results
+
+
+def score(completions: list[list[str]], dataset, verifier: Callable, threshold: float = 1.0) -> list[int | None]:
+    """Correct samples per problem: the verifier's reward ≥ ``threshold``; ``None`` where it cannot judge."""
+    columns = {c: dataset[c] for c in dataset.column_names if c not in ("prompt", "completion")}
+    counts: list[int | None] = []
+    for i, samples in enumerate(completions):
+        conversational = not isinstance(dataset[i]["prompt"], str)
+        batch = [[{"role": "assistant", "content": s}] if conversational else s for s in samples]
+        kwargs = {c: [values[i]] * len(samples) for c, values in columns.items()}
+        rewards = verifier(batch, prompts=[dataset[i]["prompt"]] * len(samples), **kwargs)
+        counts.append(None if any(r is None for r in rewards) else sum(float(r) >= threshold for r in rewards))
+    return counts
+
+
+def evaluate(
+    model,
+    tokenizer,
+    dataset,
+    verifier: Callable,
+    k: int = 8,
+    num_samples: int | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    batch_size: int = 64,
+    seed: int | None = None,
+) -> dict:
+    """avg@n and pass@k of ``model`` on ``dataset`` (columns ``prompt``, ``answer``, ...) with ``verifier``.
+
+    ``num_samples`` (n, default k) completions are drawn per problem; avg is their mean accuracy, pass@k the
+    unbiased estimator. Problems the verifier cannot judge are left out (counted in ``num_unjudged``).
+    With ``seed`` sampling is reproducible and leaves the global RNG state as it was.
+    """
+    n = num_samples or k
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        completions = sample_completions(
+            model, tokenizer, dataset["prompt"], n, max_new_tokens, temperature, top_p, batch_size
+        )
+    counts = score(completions, dataset, verifier)
+    judged = [c for c in counts if c is not None]
+    if not judged:
+        raise ValueError("The verifier could judge none of the problems (is the ground-truth column missing?).")
+    return {
+        f"avg@{n}": sum(c / n for c in judged) / len(judged),
+        f"pass@{k}": sum(pass_at_k(n, c, k) for c in judged) / len(judged),
+        "num_problems": len(judged),
+        "num_unjudged": len(counts) - len(judged),
+        "num_samples": n,
+        "correct_counts": counts,
+        "samples": [[completion_text(s) for s in group[:2]] for group in completions[:4]],
+    }
+
+
+class ValidationCallback(TrainerCallback):
+    """Evaluate on a held-out set every ``every_steps`` optimizer steps (and before training) and log the results.
+
+    The values are added to the trainer's log at the step they were measured (``val/avg@k``, ``val/pass@k``,
+    ``val/reward_gap`` = training reward − ``val/avg@k``, with the training reward taken from
+    :data:`TRAIN_REWARD_KEYS`), so they reach ``trainer.state.log_history`` and the reporting integrations;
+    each record is also kept in ``self.history`` and appended to ``jsonl_path`` if given. Evaluation runs on the
+    main process only (it is not sharded across processes).
+    """
+
+    def __init__(
+        self,
+        eval_dataset,
+        verifier: Callable,
+        every_steps: int,
+        k: int = 4,
+        num_samples: int | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        batch_size: int = 64,
+        seed: int = 0,
+        jsonl_path: str | None = None,
+        run_name: str | None = None,
+        on_evaluate: Callable[[dict], None] | None = None,
+    ):
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        self.eval_dataset, self.verifier, self.every_steps = eval_dataset, verifier, every_steps
+        self.k, self.num_samples = k, num_samples or k
+        self.generation = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size)
+        self.seed, self.jsonl_path, self.run_name, self.on_evaluate = seed, jsonl_path, run_name, on_evaluate
+        self.history: list[dict] = []
+        self._pending: dict | None = None
+
+    def _evaluate(self, state, model, tokenizer) -> dict:
+        result = evaluate(
+            model, tokenizer, self.eval_dataset, self.verifier, self.k, self.num_samples,
+            seed=self.seed + state.global_step, **self.generation,
+        )
+        return {
+            f"val/avg@{self.num_samples}": result[f"avg@{self.num_samples}"],
+            f"val/pass@{self.k}": result[f"pass@{self.k}"],
+        }
+
+    def _record(self, step: int, metrics: dict, logs: dict | None) -> dict:
+        record = {"step": step, **({"run": self.run_name} if self.run_name else {}), **metrics}
+        train_reward = next((logs[key] for key in TRAIN_REWARD_KEYS if logs and logs.get(key) is not None), None)
+        if train_reward is not None:
+            record["train_reward"] = train_reward
+            record["val/reward_gap"] = train_reward - metrics[f"val/avg@{self.num_samples}"]
+        self.history.append(record)
+        if self.jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.on_evaluate is not None:
+            self.on_evaluate(record)
+        return record
+
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if state.is_world_process_zero and state.global_step == 0:
+            self._record(0, self._evaluate(state, model, processing_class), None)
+
+    def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        due = state.global_step % self.every_steps == 0 or state.global_step == state.max_steps
+        if due and state.is_world_process_zero:
+            self._pending = self._evaluate(state, model, processing_class)
+            control.should_log = True  # log this step, so the values land at the step they were measured
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._pending is None or logs is None:
+            return
+        record = self._record(state.global_step, self._pending, logs)
+        self._pending = None
+        values = {key: value for key, value in record.items() if key.startswith("val/")}
+        logs.update(values)  # seen by the callbacks after this one (put it first to reach every reporter)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)

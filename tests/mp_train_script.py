@@ -1,0 +1,278 @@
+"""Train ArmorGRPOTrainer on the tiny model for a few steps, in one or several processes, and write what happened.
+
+Launched by tests/test_multiprocess.py, e.g.
+
+    torchrun --nproc_per_node 2 tests/mp_train_script.py --model DIR --out DIR --ddp_backend gloo
+    accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 2 --mixed_precision no \
+        tests/mp_train_script.py --model DIR --out DIR --ddp_backend gloo --no_cpu
+    python tests/mp_train_script.py --model DIR --out DIR --per_device_train_batch_size 16   # one process
+
+Every process writes ``OUT/rank{R}.json`` with its own observations:
+
+* ``rounds``: per generation round, what this process saw: its groups' prompts, whether its reward function
+  (called on this process only) verified one of the group's reference candidates, whether the trainer found an
+  anchor for the group, whether the anchor sits in the group's last row on this process, the rewards this
+  process scored for its rows, and the rows whose anchor slot was empty;
+* ``steps``: after each optimizer step (after the reference reset, if one was due): whether a reset happened and
+  the largest |π_ref − π_θ| over all parameters (ZeRO-3 shards are gathered first), plus parameter checksums;
+* ``final``: how far the policy moved from the initial weights, checksums of policy and reference;
+* ``log_history``: the trainer's log history (the logged metrics are already gathered over processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+import contextlib  # noqa: E402
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+
+from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
+
+# What the reward function saw on this process: the phase is "candidates" while the trainer scores reference
+# candidates for anchors and "rollout" otherwise.
+RECORD = {"phase": "rollout", "calls": []}
+
+
+def has_digit(completions, **kwargs):
+    """1.0 when the completion contains a digit (a random tiny model hits it about half the time)."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    rewards = [float(any(ch.isdigit() for ch in text)) for text in texts]
+    RECORD["calls"].append({"phase": RECORD["phase"], "prompts": list(kwargs["prompts"]), "rewards": rewards})
+    return rewards
+
+
+def _gathered(params):
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def full_params(module) -> dict[str, torch.Tensor]:
+    """name -> full fp32 CPU copy of every parameter (ZeRO-3 shards gathered one at a time)."""
+    out = {}
+    for name, param in module.named_parameters():
+        with _gathered([param]):
+            out[name] = param.detach().float().cpu().clone()
+    return out
+
+
+def checksum(params: dict[str, torch.Tensor]) -> float:
+    return float(sum(p.double().sum().item() + (p.double() ** 2).sum().item() for p in params.values()))
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[name] - b[name]).abs().max().item() for name in b)
+
+
+def strip_module(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Names of a wrapped model (DeepSpeed engine: ``module.``) as the unwrapped model names them."""
+    return {name.removeprefix("module."): p for name, p in params.items()}
+
+
+class RecordingTrainer(ArmorGRPOTrainer):
+    """ArmorGRPOTrainer that records, on each process, which groups it held and what their anchors were."""
+
+    def __init__(self, *args, **kwargs):
+        self.rounds = []
+        self._pending_round = None
+        super().__init__(*args, **kwargs)
+
+    def _sample_anchors(self, group_prompt_ids, group_inputs):
+        calls_before = len(RECORD["calls"])
+        RECORD["phase"] = "candidates"
+        try:
+            anchors = super()._sample_anchors(group_prompt_ids, group_inputs)
+        finally:
+            RECORD["phase"] = "rollout"
+        k = self.args.anchor_num_samples
+        candidate_rewards = [r for call in RECORD["calls"][calls_before:] for r in call["rewards"]]
+        candidate_prompts = [p for call in RECORD["calls"][calls_before:] for p in call["prompts"]]
+        self._pending_round = {
+            "group_prompts": [row["prompt"] for row in group_inputs],
+            "group_prompt_ids": [list(ids) for ids in group_prompt_ids],
+            "anchor_ids": [list(ids) for ids in anchors],
+            # whether this process's own reward calls verified a candidate of each of its groups
+            "locally_verified": [
+                any(r >= self.args.anchor_reward_threshold for r in candidate_rewards[g * k : (g + 1) * k])
+                for g in range(len(group_prompt_ids))
+            ],
+            "candidate_prompts_match": candidate_prompts
+            == [row["prompt"] for row in group_inputs for _ in range(k)],
+            "found": self._armor_round["found"].tolist(),
+        }
+        return anchors
+
+    def _generate_and_score_completions(self, inputs):
+        calls_before = len(RECORD["calls"])
+        self._pending_round = None
+        output = super()._generate_and_score_completions(inputs)
+        if not self.model.training or self._pending_round is None:
+            return output
+        info = self._pending_round
+        self._pending_round = None
+        rows, group_size = output["completion_ids"].size(0), self.num_generations
+        pad = self.processing_class.pad_token_id
+        prompts_whole, anchor_in_last_row = [], []
+        for group in range(rows // group_size):
+            first, last = group * group_size, (group + 1) * group_size - 1
+            group_prompts = [
+                output["prompt_ids"][row][output["prompt_mask"][row].bool()].tolist() for row in range(first, last + 1)
+            ]
+            prompts_whole.append(all(ids == info["group_prompt_ids"][group] for ids in group_prompts))
+            anchor = info["anchor_ids"][group]
+            completion = output["completion_ids"][last].tolist()
+            anchor_in_last_row.append(
+                completion[: len(anchor)] == anchor and all(t == pad for t in completion[len(anchor) :])
+            )
+        rollout_calls = [c for c in RECORD["calls"][calls_before:] if c["phase"] == "rollout"]
+        is_anchor = output["armor_is_anchor"].tolist()
+        self.rounds.append(
+            {
+                "step": self.state.global_step + 1,
+                "rank": self.accelerator.process_index,
+                "rows": rows,
+                "groups": rows // group_size,
+                "group_prompts": info["group_prompts"],
+                "found": info["found"],
+                "locally_verified": info["locally_verified"],
+                "candidate_prompts_match": info["candidate_prompts_match"],
+                "prompts_whole": prompts_whole,
+                "anchor_in_last_row": anchor_in_last_row,
+                "is_anchor": is_anchor,
+                "is_anchor_matches_found": [
+                    is_anchor[(g + 1) * group_size - 1] == info["found"][g] for g in range(rows // group_size)
+                ],
+                "rollout_rewards": [r for c in rollout_calls for r in c["rewards"]],
+                "rollout_reward_calls": len(rollout_calls),
+            }
+        )
+        return output
+
+
+class StepRecorder(TrainerCallback):
+    """After each optimizer step (added after ARMOR's reset callback, so it sees the reset's result)."""
+
+    def __init__(self, trainer: RecordingTrainer):
+        self.trainer = trainer
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        policy = full_params(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+        reference = strip_module(full_params(trainer.reference.model))
+        self.steps.append(
+            {
+                "step": state.global_step,
+                "reset_now": trainer.reference.last_reset_step == state.global_step and trainer.reference.resets > 0,
+                "resets": trainer.reference.resets,
+                "ref_policy_max_diff": max_diff(reference, policy),
+                "policy_checksum": checksum(policy),
+                "reference_checksum": checksum(reference),
+            }
+        )
+        return control
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max_steps", type=int, default=3)
+    parser.add_argument("--ref_reset_steps", type=int, default=2)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=8)
+    parser.add_argument("--num_generations", type=int, default=4)
+    parser.add_argument("--anchor_filter", default="drop")
+    parser.add_argument("--anchor_num_samples", type=int, default=4)
+    parser.add_argument("--ddp_backend", default=None)
+    parser.add_argument("--no_cpu", action="store_true", help="use_cpu=False (needed for DeepSpeed on a CPU host)")
+    parser.add_argument("--learning_rate", type=float, default=1e-2)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    started = time.time()
+    cli = parse_args(argv)
+    os.makedirs(cli.out, exist_ok=True)
+    args = ArmorConfig(
+        output_dir=os.path.join(cli.out, "trainer"),
+        per_device_train_batch_size=cli.per_device_train_batch_size,
+        num_generations=cli.num_generations,
+        max_completion_length=8,
+        max_steps=cli.max_steps,
+        learning_rate=cli.learning_rate,
+        use_cpu=not cli.no_cpu,
+        ddp_backend=cli.ddp_backend,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=42,
+        disable_tqdm=True,
+        ref_reset_steps=cli.ref_reset_steps,
+        anchor_filter=cli.anchor_filter,
+        anchor_num_samples=cli.anchor_num_samples,
+    )
+    dataset = Dataset.from_dict(
+        {"prompt": [f"{i}+{i + 1}=" for i in range(32)], "answer": [str(2 * i + 1) for i in range(32)]}
+    )
+    tokenizer = AutoTokenizer.from_pretrained(cli.model)
+    trainer = RecordingTrainer(
+        model=cli.model, reward_funcs=has_digit, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    recorder = StepRecorder(trainer)
+    trainer.add_callback(recorder)  # after ReferenceResetCallback: sees the reference right after a reset
+
+    from safetensors.torch import load_file
+
+    initial = {k: v.float() for k, v in load_file(os.path.join(cli.model, "model.safetensors")).items()}
+    reference_at_start = strip_module(full_params(trainer.reference.model))
+    trainer.train()
+
+    policy = full_params(trainer.accelerator.unwrap_model(trainer.model_wrapped))
+    reference = strip_module(full_params(trainer.reference.model))
+    common = [name for name in policy if name in initial]
+    result = {
+        "rank": trainer.accelerator.process_index,
+        "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "deepspeed_stage": (
+            trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None
+        ),
+        "reference_type": type(trainer.reference.model).__name__,
+        "reference_sharded": any(hasattr(p, "ds_id") for p in trainer.reference.model.parameters()),
+        "reference_start_equals_initial": max_diff(reference_at_start, {n: initial[n] for n in common}) == 0.0,
+        "rounds": trainer.rounds,
+        "steps": recorder.steps,
+        "final": {
+            "params_compared": len(common),
+            "policy_change": max((policy[n] - initial[n]).abs().max().item() for n in common),
+            "policy_checksum": checksum(policy),
+            "reference_checksum": checksum(reference),
+            "resets": trainer.reference.resets,
+        },
+        "log_history": trainer.state.log_history,
+        "seconds": time.time() - started,
+    }
+    with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""ArmorConfig: defaults and a clear ValueError, naming the field, for each config mistake."""
+
+import pytest
+from trl import GRPOConfig
+
+from armor_trl import ArmorConfig
+
+
+def make(**kwargs):
+    base = dict(output_dir="unused", use_cpu=True, bf16=False, per_device_train_batch_size=8, num_generations=4)
+    base.update(kwargs)
+    return ArmorConfig(**base)
+
+
+def test_is_a_grpo_config_with_armor_defaults():
+    args = make()
+    assert isinstance(args, GRPOConfig)
+    assert (args.beta, args.loss_type, args.epsilon, args.epsilon_high) == (0.0, "dapo", 0.2, 0.28)
+    assert args.resolved_alpha == 0.75  # (G−1)/G with G = 4
+    assert make(armor_alpha=0.9).resolved_alpha == 0.9
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(armor_alpha=0.0), "armor_alpha"),
+        (dict(armor_alpha=1.5), "armor_alpha"),
+        (dict(armor_alpha=-0.1), "armor_alpha"),
+        (dict(anchor_num_samples=0), "anchor_num_samples"),
+        (dict(anchor_filter="skip"), "anchor_filter"),
+        (dict(ref_reset_steps=0), "ref_reset_steps"),
+        (dict(ref_reset_steps=-5), "ref_reset_steps"),
+        (dict(ref_reset_every_step_until=-1), "ref_reset_every_step_until"),
+        (dict(beta=0.04), "beta"),
+        (dict(loss_type="cispo"), "loss_type"),
+        (dict(loss_type="sapo"), "loss_type"),
+        (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+    ],
+)
+def test_config_mistakes_are_value_errors_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make(**kwargs)
+
+
+def test_groups_must_not_span_processes(monkeypatch):
+    # GRPOConfig only checks the global generation batch (2 per process × 2 processes = 4 is a multiple of 4);
+    # ARMOR needs whole groups, with their anchor, on each process.
+    monkeypatch.setattr(ArmorConfig, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="per_device_train_batch_size \\* steps_per_generation"):
+        make(per_device_train_batch_size=2, num_generations=4)
+
+
+def test_error_message_lists_allowed_values():
+    with pytest.raises(ValueError, match=r"\['drop', 'keep'\]"):
+        make(anchor_filter="skip")
+    with pytest.raises(ValueError, match=r"'grpo', 'bnpo', 'dr_grpo', 'dapo'"):
+        make(loss_type="luspo")
+
+
+def test_ablation_switches_off_allow_any_grpo_setting():
+    args = make(use_anchors=False, use_mixed_ratio=False, beta=0.04, loss_type="cispo")
+    assert not args.armor_enabled
+
+
+def test_sequence_level_is_allowed_without_the_mixed_ratio():
+    assert make(use_mixed_ratio=False, importance_sampling_level="sequence").use_anchors

@@ -1,0 +1,112 @@
+"""The reference policy's lifecycle: schedule, resets for a full and a LoRA reference."""
+
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import TrainerCallback
+
+from armor_trl.reference import reset_due
+from conftest import digit_share_reward
+from test_trainer import make_trainer as _make_trainer
+
+
+def make_trainer(*args, **kwargs):
+    # a graded reward keeps every step's gradient non-zero, so 'differs before a reset' is a real check
+    return _make_trainer(*args, reward_funcs=digit_share_reward, anchor_reward_threshold=0.1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "reset_steps, every_step_until, expected",
+    [
+        (None, None, []),
+        (2, None, [2, 4, 6]),
+        (3, None, [3, 6]),
+        (None, 3, [1, 2, 3]),
+        (4, 2, [1, 2, 4]),
+        (1, None, [1, 2, 3, 4, 5, 6]),
+    ],
+)
+def test_reset_schedule(reset_steps, every_step_until, expected):
+    assert [s for s in range(0, 7) if reset_due(s, reset_steps, every_step_until)] == expected
+
+
+class DistanceToPolicy(TrainerCallback):
+    """After every optimizer step (and after the reset callback), record max |π_ref − π_θ| and |π_ref − π_ref,0|."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        policy = trainer._unwrapped_policy()
+        self.initial_reference = [p.detach().clone() for p in trainer.reference.parameters_of(policy)]
+        self.to_policy, self.to_initial, self.resets = [], [], []
+
+    def _pairs(self):
+        policy = self.trainer._unwrapped_policy()
+        return [(t, s) for t, s in self.trainer.reference._pairs(policy)]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        pairs = self._pairs()
+        self.to_policy.append(max((t - s).abs().max().item() for t, s in pairs))
+        self.to_initial.append(
+            max((t - t0).abs().max().item() for (t, _), t0 in zip(pairs, self.initial_reference))
+        )
+        self.resets.append(self.trainer.reference.resets)
+
+
+LORA = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), learning_rate=5e-2)
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_reference_resets_every_tau_steps(kind, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    extra = LORA if kind == "lora" else {}
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, ref_reset_steps=2, max_steps=4, **extra
+    )
+    assert trainer.reference.kind == kind
+    probe = DistanceToPolicy(trainer)
+    assert max((t - s).abs().max().item() for t, s in probe._pairs()) == 0.0  # starts as a copy of the policy
+    trainer.add_callback(probe)  # runs after the reset callback
+    trainer.train()
+    assert probe.resets == [0, 1, 1, 2]
+    assert probe.to_policy[1] == 0.0 and probe.to_policy[3] == 0.0  # equal right after a reset
+    assert probe.to_policy[0] > 0 and probe.to_policy[2] > 0  # differ before it
+    assert probe.to_initial[0] == 0.0  # before any reset: the initial policy (adapter)
+    assert probe.to_initial[1] > 0
+    assert trainer.state.log_history[-2]["armor/ref_resets"] >= 1
+
+
+def test_hybrid_schedule_resets_every_step_then_freezes(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, ref_reset_every_step_until=2, max_steps=4
+    )
+    probe = DistanceToPolicy(trainer)
+    trainer.add_callback(probe)
+    trainer.train()
+    assert probe.resets == [1, 2, 2, 2]
+    assert probe.to_policy[:2] == [0.0, 0.0] and all(d > 0 for d in probe.to_policy[2:])
+
+
+def test_static_reference_never_changes(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3)
+    probe = DistanceToPolicy(trainer)
+    trainer.add_callback(probe)
+    trainer.train()
+    assert probe.resets == [0, 0, 0] and probe.to_initial == [0.0, 0.0, 0.0]
+    assert probe.to_policy[-1] > 0
+
+
+def test_lora_reference_is_a_frozen_adapter_outside_the_optimizer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1, **LORA)
+    trainer.train()
+    ref_params = trainer.reference.parameters_of(trainer._unwrapped_policy())
+    assert ref_params and not any(p.requires_grad for p in ref_params)
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert not any(id(p) in optimized for p in ref_params)
+
+
+def test_explicit_ref_model_path_is_used(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    from armor_trl.tiny import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", seed=123)
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, ref_model=other, max_steps=1)
+    pairs = trainer.reference._pairs(trainer._unwrapped_policy())
+    assert max((t - s).abs().max().item() for t, s in pairs) > 0  # a different model than the policy
