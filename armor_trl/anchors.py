@@ -52,3 +52,52 @@ def fill_groups(policy_items: list, anchor_items: list, num_generations: int) ->
         rows.extend(policy_items[group * per_group : (group + 1) * per_group])
         rows.append(anchor)
     return rows
+
+
+class AnchorCache:
+    """Verified anchors per prompt, reused until the reference changes (ARMOR.md: a replay buffer of anchors).
+
+    A verified anchor is a sample of π_ref conditioned on R = 1; while π_ref is unchanged it stays one,
+    so a prompt that already has one needs no new candidates. ``reference_version`` (the reset count)
+    invalidates everything on a reset. Bounded: least recently used entries go first.
+    """
+
+    def __init__(self, max_entries: int):
+        from collections import OrderedDict
+
+        self.max_entries = max_entries
+        self.reference_version = 0
+        self._entries: "OrderedDict[tuple, tuple[list[int], float]]" = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def sync(self, reference_version: int) -> None:
+        """Drop every entry if the reference changed since they were stored."""
+        if reference_version != self.reference_version:
+            self._entries.clear()
+            self.reference_version = reference_version
+
+    def get(self, prompt_ids) -> tuple[list[int], float] | None:
+        key = tuple(prompt_ids)
+        if key not in self._entries:
+            return None
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def put(self, prompt_ids, completion_ids: list[int], reward: float) -> None:
+        key = tuple(prompt_ids)
+        self._entries[key] = (list(completion_ids), float(reward))
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def state_dict(self) -> dict:
+        entries = [[list(k), ids, reward] for k, (ids, reward) in self._entries.items()]
+        return {"reference_version": self.reference_version, "entries": entries}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._entries.clear()
+        self.reference_version = state["reference_version"]
+        for key, ids, reward in state["entries"]:
+            self.put(key, ids, reward)

@@ -62,6 +62,18 @@ class ArmorConfig(GRPOConfig):
             "then follow `ref_reset_steps` (`None` there = frozen from then on)."
         },
     )
+    anchor_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep each prompt's verified anchor and reuse it until the next reference reset (the reference is "
+            "unchanged, so it is still a verified sample of π_ref); new candidates are sampled only for prompts "
+            "without one."
+        },
+    )
+    anchor_cache_size: int = field(
+        default=100_000,
+        metadata={"help": "Most prompts the anchor cache holds; the least recently used go first."},
+    )
     use_anchors: bool = field(
         default=True,
         metadata={"help": "Put one reward-verified reference completion (the anchor) in every group. Ablation switch."},
@@ -108,6 +120,8 @@ class ArmorConfig(GRPOConfig):
             raise ValueError(f"armor_alpha must lie in (0, 1] (or be None for (G-1)/G), got {self.armor_alpha}.")
         if self.anchor_num_samples < 1:
             raise ValueError(f"anchor_num_samples must be an integer >= 1, got {self.anchor_num_samples}.")
+        if self.anchor_cache_size < 1:
+            raise ValueError(f"anchor_cache_size must be an integer >= 1, got {self.anchor_cache_size}.")
         if self.anchor_filter not in ANCHOR_FILTERS:
             raise ValueError(f"anchor_filter must be one of {list(ANCHOR_FILTERS)}, got {self.anchor_filter!r}.")
         for name in ("ref_reset_steps", "ref_reset_every_step_until"):

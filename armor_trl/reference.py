@@ -140,45 +140,78 @@ class ReferencePolicy:
         return [target for target, _ in self._pairs(policy)]
 
     # --- save / restore ----------------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        return {"kind": self.kind, "resets": self.resets, "last_reset_step": self.last_reset_step}
+    def save(self, directory: str, policy: nn.Module, extra: dict[str, Any], write: bool = True) -> None:
+        """Write what rebuilds this reference exactly: its weights (or the "ref" adapter's), resets, and ``extra``.
 
-    def save(self, directory: str, policy: nn.Module) -> None:
-        """Write what rebuilds this reference exactly: its weights (or the ref adapter's) and the reset count."""
+        Collective under ZeRO-3 (parameters are gathered): call on every process, with ``write`` on one.
+        The state file is written last and atomically, so its presence marks a complete checkpoint.
+        """
         tensors = {}
         for index, (target, _) in enumerate(self._pairs(policy)):
             with _gathered([target]):
-                tensors[index] = target.detach().cpu().clone()
+                if write:
+                    tensors[index] = target.detach().cpu().clone()
+        if not write:
+            return
         torch.save(tensors, os.path.join(directory, REF_WEIGHTS_FILE))
-        with open(os.path.join(directory, STATE_FILE), "w") as f:
-            json.dump(self.state(), f)
+        state = {"kind": self.kind, "resets": self.resets, "last_reset_step": self.last_reset_step, **extra}
+        temporary = os.path.join(directory, STATE_FILE + ".tmp")
+        with open(temporary, "w") as f:
+            json.dump(state, f)
+        os.replace(temporary, os.path.join(directory, STATE_FILE))
 
-    def load(self, directory: str, policy: nn.Module) -> None:
-        path = os.path.join(directory, REF_WEIGHTS_FILE)
+    @staticmethod
+    def read_state(directory: str) -> dict[str, Any]:
+        path = os.path.join(directory, STATE_FILE)
         if not os.path.exists(path):
             raise ValueError(
-                f"Checkpoint {directory} has no {REF_WEIGHTS_FILE}: it was not written by ArmorGRPOTrainer, so the "
-                "reference it trained against cannot be restored."
+                f"Checkpoint {directory} has no {STATE_FILE}: it was not written (completely) by ArmorGRPOTrainer, so "
+                "the reference it trained against cannot be restored. To start a new ARMOR run from its weights, pass "
+                "it as `model` (and `ref_model`) instead of resuming."
             )
-        tensors = torch.load(path, map_location="cpu")
-        targets = [target for target, _ in self._pairs(policy)]
-        if len(tensors) != len(targets):
-            raise ValueError(f"Checkpoint {directory} holds a reference of a different shape than this run's.")
-        with torch.no_grad():
-            for index, target in enumerate(targets):
-                with _gathered([target], modifier_rank=0):
-                    if target.shape != tensors[index].shape:
-                        raise ValueError(f"Checkpoint {directory} holds a reference of a different shape than this run's.")
-                    target.data.copy_(tensors[index].to(target.device, target.dtype))
-        with open(os.path.join(directory, STATE_FILE)) as f:
-            state = json.load(f)
+        with open(path) as f:
+            return json.load(f)
+
+    def load(self, directory: str, policy: nn.Module) -> dict[str, Any]:
+        """Restore the reference written by ``save``; return the saved state (with its ``extra`` keys)."""
+        state = self.read_state(directory)
         if state.get("kind") != self.kind:
             raise ValueError(
                 f"Checkpoint {directory} holds a {state.get('kind')!r} reference but this run uses a {self.kind!r} one "
                 "(LoRA and full-model runs cannot resume each other)."
             )
+        tensors = torch.load(os.path.join(directory, REF_WEIGHTS_FILE), map_location="cpu")
+        targets = [target for target, _ in self._pairs(policy)]
+        if len(tensors) != len(targets):
+            raise ValueError(f"Checkpoint {directory} holds a reference with a different architecture than this run's.")
+        with torch.no_grad():
+            for index, target in enumerate(targets):
+                with _gathered([target], modifier_rank=0):
+                    if target.shape != tensors[index].shape:
+                        raise ValueError(
+                            f"Checkpoint {directory} holds a reference with a different architecture than this run's."
+                        )
+                    target.data.copy_(tensors[index].to(target.device, target.dtype))
         self.resets = state["resets"]
         self.last_reset_step = state["last_reset_step"]
+        return state
+
+
+def latest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
+    """The newest checkpoint folder that holds ARMOR's state file, and the newer ones that do not (incomplete)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        prefix, _, step = name.rpartition("-")
+        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
+            found.append((int(step), os.path.join(output_dir, name)))
+    incomplete = []
+    for _, path in sorted(found, reverse=True):
+        if os.path.exists(os.path.join(path, STATE_FILE)):
+            return path, incomplete
+        incomplete.append(path)
+    return None, incomplete
 
 
 def copy_model_for_reference(model: nn.Module) -> nn.Module:

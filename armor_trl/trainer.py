@@ -16,20 +16,25 @@ How one generation round differs from GRPO (train mode, ARMOR on):
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from accelerate.utils import gather, is_peft_model
 from transformers import ProcessorMixin
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
 from trl.trainer.utils import get_config_model_id
 
 from . import trl_seam as seam
-from .anchors import anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
+from .anchors import AnchorCache, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
 from .config import ArmorConfig
 from .mixed_ratio import k3_kl, mixed_logprobs
-from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference
+from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference, latest_complete_checkpoint
+
+logger = logging.get_logger(__name__)
 
 
 class ArmorGRPOTrainer(GRPOTrainer):
@@ -72,6 +77,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self._check_combinations(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft)
 
         self.reference: ReferencePolicy | None = None
+        self.anchor_cache = AnchorCache(args.anchor_cache_size) if args.anchor_cache and args.use_anchors else None
         self._armor_inputs = None  # the rows of the generation round being built (anchor rounds only)
         self._armor_round = None  # anchors found in that round
         self._armor_loss_ctx = None  # reference log-probs of the micro-batch whose loss is being computed
@@ -203,28 +209,57 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return fill_groups(on_policy_ids, anchor_ids, group_size), None
 
     def _sample_anchors(self, group_prompt_ids: list, group_inputs: list[dict]) -> list:
-        """Sample K reference candidates per group, score them, and return one completion per group.
+        """Return one anchor completion per group: from the cache, or the first verified of K reference candidates.
 
-        Where no candidate is verified the group's slot still gets a candidate (so shapes stay
-        fixed) and ``_armor_round["found"]`` marks it; it is then excluded from the group.
+        Where no candidate is verified the group's slot still gets a candidate (so shapes stay fixed)
+        and ``_armor_round["found"]`` marks it; it is then excluded from its group.
         """
-        k = self.args.anchor_num_samples
-        candidate_prompt_ids = [ids for ids in group_prompt_ids for _ in range(k)]
-        candidate_inputs = [row for row in group_inputs for _ in range(k)]
-        reference = self.reference.model if self.reference.kind == "full" else None
-        with self._reference_ready(), seam.generating_with(self, reference):
-            candidate_ids = seam.generate(self, candidate_prompt_ids, k)
-        prompts = [row["prompt"] for row in candidate_inputs]
-        completions = seam.decode(self, candidate_ids, seam.is_conversational_prompt(prompts[0]))
-        rewards = seam.score_quietly(self, candidate_inputs, prompts, completions, candidate_ids)
-        weights = self.reward_weights.to(rewards.device)
-        chosen, anchor_reward = select_anchors(rewards, weights, k, self.args.anchor_reward_threshold)
+        k, threshold = self.args.anchor_num_samples, self.args.anchor_reward_threshold
+        groups = len(group_prompt_ids)
+        cached = [None] * groups
+        if self.anchor_cache is not None:
+            self.anchor_cache.sync(self.reference.resets)
+            cached = [self.anchor_cache.get(ids) for ids in group_prompt_ids]
+        to_sample = [g for g in range(groups) if cached[g] is None]
+        # Generation and scoring are collective (ZeRO-3 gathers, rewards are gathered): every process samples
+        # the same number of groups, padding with repeats of its own groups whose results are discarded.
+        rounds = len(to_sample)
+        if self.anchor_cache is not None:
+            rounds = int(self.accelerator.gather(torch.tensor([rounds], device=self.accelerator.device)).max())
+        sampled = to_sample + [to_sample[0] if to_sample else 0] * (rounds - len(to_sample))
+
+        anchors, rewards_out = [None] * groups, torch.full((groups,), float("nan"))
+        for g, hit in enumerate(cached):
+            if hit is not None:
+                anchors[g], rewards_out[g] = hit
+        verified_frac = torch.empty(0)
+        if sampled:
+            candidate_prompt_ids = [group_prompt_ids[g] for g in sampled for _ in range(k)]
+            candidate_inputs = [group_inputs[g] for g in sampled for _ in range(k)]
+            reference = self.reference.model if self.reference.kind == "full" else None
+            with self._reference_ready(), seam.generating_with(self, reference):
+                candidate_ids = seam.generate(self, candidate_prompt_ids, k)
+            prompts = [row["prompt"] for row in candidate_inputs]
+            completions = seam.decode(self, candidate_ids, seam.is_conversational_prompt(prompts[0]))
+            rewards = seam.score_quietly(self, candidate_inputs, prompts, completions, candidate_ids)
+            weights = self.reward_weights.to(rewards.device)
+            chosen, chosen_reward = select_anchors(rewards, weights, k, threshold)
+            verified_frac = verified_mask(rewards, weights, threshold).float()[: len(to_sample) * k]
+            for position, g in enumerate(to_sample):
+                index = int(chosen[position])
+                anchors[g] = candidate_ids[position * k + max(index, 0)]
+                if index >= 0:
+                    rewards_out[g] = chosen_reward[position].item()
+                    if self.anchor_cache is not None:
+                        self.anchor_cache.put(group_prompt_ids[g], anchors[g], rewards_out[g])
+        device = self.accelerator.device
         self._armor_round = {
-            "found": chosen >= 0,
-            "reward": anchor_reward,
-            "candidates_verified": verified_mask(rewards, weights, self.args.anchor_reward_threshold).float(),
+            "found": ~torch.isnan(rewards_out).to(device),
+            "reward": rewards_out.to(device),
+            "candidates_verified": verified_frac.to(device),
+            "cache_hits": torch.tensor([groups - len(to_sample), groups], device=device, dtype=torch.float),
         }
-        return [candidate_ids[group * k + max(index, 0)] for group, index in enumerate(chosen.tolist())]
+        return anchors
 
     def _empty_slots(self, rows: int, device) -> torch.Tensor:
         """Local rows whose anchor slot holds no verified anchor."""
@@ -287,9 +322,15 @@ class ArmorGRPOTrainer(GRPOTrainer):
         dropped = 1.0 - all_found.mean().item() if self.args.anchor_filter == "drop" else 0.0
         seam.log_metric(self, "armor/groups_dropped_frac", dropped)
         seam.log_metric(self, "armor/anchor_reward_mean", torch.nanmean(gather(self._armor_round["reward"])).item())
-        seam.log_metric(
-            self, "armor/candidates_verified_frac", gather(self._armor_round["candidates_verified"]).mean().item()
-        )
+        verified = self._armor_round["candidates_verified"]
+        verified_sum, verified_count = self.accelerator.reduce(
+            torch.stack([verified.sum(), torch.tensor(float(verified.numel()), device=verified.device)]), reduction="sum"
+        ).tolist()
+        seam.log_metric(self, "armor/candidates_verified_frac", verified_sum / verified_count if verified_count else math.nan)
+        if self.anchor_cache is not None:
+            hits, groups = self.accelerator.reduce(self._armor_round["cache_hits"], reduction="sum").tolist()
+            seam.log_metric(self, "armor/anchor_cache_hit_frac", hits / groups)
+            seam.log_metric(self, "armor/anchor_cache_size", len(self.anchor_cache))
         lengths = output["completion_mask"].sum(dim=1).float()
         stats = torch.stack(
             [
@@ -301,6 +342,59 @@ class ArmorGRPOTrainer(GRPOTrainer):
         advantage_sum, length_sum, count = self.accelerator.reduce(stats, reduction="sum").tolist()
         seam.log_metric(self, "armor/anchor_advantage_mean", advantage_sum / count if count else math.nan)
         seam.log_metric(self, "armor/anchor_length_mean", length_sum / count if count else math.nan)
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+    def _armor_fingerprint(self) -> dict:
+        """The settings a checkpoint's ARMOR state depends on; resuming with different ones is refused."""
+        fields = (
+            "use_anchors", "use_mixed_ratio", "num_generations", "anchor_num_samples", "anchor_reward_threshold",
+            "anchor_filter", "anchor_cache", "ref_reset_steps", "ref_reset_every_step_until",
+        )
+        return {"armor_alpha": self.armor_alpha, **{name: getattr(self.args, name) for name in fields}}
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.reference is not None and resume_from_checkpoint:
+            resume_from_checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _resolve_checkpoint(self, checkpoint) -> str:
+        """Pick the newest complete checkpoint for ``True``; check its ARMOR settings match this run's."""
+        if checkpoint is True:
+            checkpoint, incomplete = latest_complete_checkpoint(self.args.output_dir)
+            for path in incomplete:
+                logger.warning(f"Skipping {path}: it is incomplete (the run stopped while writing it); left as is.")
+            if checkpoint is None:
+                raise ValueError(f"No complete ArmorGRPOTrainer checkpoint found in {self.args.output_dir}.")
+        state = ReferencePolicy.read_state(checkpoint)
+        saved = {"kind": state.get("kind"), **state.get("config", {})}
+        expected = {"kind": self.reference.kind, **self._armor_fingerprint()}
+        differing = {k: (saved.get(k), v) for k, v in expected.items() if saved.get(k) != v}
+        if differing:
+            details = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in differing.items())
+            raise ValueError(
+                f"Cannot resume from {checkpoint}: it was written by a different ARMOR configuration ({details}). "
+                "Resume with the same settings, or start a new run with the checkpoint as `model`/`ref_model`."
+            )
+        return checkpoint
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.reference is None:
+            return
+        directory = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        extra = {
+            "config": self._armor_fingerprint(),
+            "anchor_cache": None if self.anchor_cache is None else self.anchor_cache.state_dict(),
+        }
+        self.reference.save(directory, self._unwrapped_policy(), extra, write=self.args.should_save)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.reference is None:
+            return
+        state = self.reference.load(checkpoint, self._unwrapped_policy())
+        if self.anchor_cache is not None and state.get("anchor_cache") is not None:
+            self.anchor_cache.load_state_dict(state["anchor_cache"])
 
     # --- mixed optimization ------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):

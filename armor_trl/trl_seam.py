@@ -21,6 +21,9 @@ OVERRIDDEN = {
     "_calculate_rewards": ["inputs", "prompts", "completions", "completion_ids_list"],
     "_get_per_token_logps_and_entropies": ["model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"],
     "_compute_loss": ["model", "inputs"],
+    # transformers.Trainer's checkpoint hooks (TRL overrides them too)
+    "_save_checkpoint": ["model", "trial"],
+    "_load_optimizer_and_scheduler": ["checkpoint"],
 }
 # private attributes read or written
 ATTRIBUTES = ("_metrics", "_pending_extra_logs", "_pending_metrics", "_tokenizer", "model_wrapped", "use_vllm")

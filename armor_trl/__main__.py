@@ -1,0 +1,8 @@
+"""``python -m armor_trl`` (and ``accelerate launch -m armor_trl train ...``): the ``armor-trl`` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,439 @@
+"""The ``armor-trl`` command: ``train``, ``eval`` and ``demo``.
+
+``armor-trl train --config recipe.yaml [--field value ...]`` follows ``trl grpo``: TRL's own ``TrlParser``
+reads a YAML recipe into dataclasses (:class:`TrainScriptArguments`, ``trl.ModelConfig`` and
+``ArmorConfig`` or ``GRPOConfig``) and command-line flags override it. ``method`` selects the trainer:
+``armor`` (ArmorGRPOTrainer + ArmorConfig) or ``grpo`` (plain trl.GRPOTrainer + GRPOConfig, with its own
+``beta``), so a comparison is two runs of one recipe: ArmorConfig-only keys in the recipe are then ignored
+with a warning, and rejected when given as command-line flags. ``--dry_run`` validates a recipe (parsing,
+config checks, rewards, datasets, batch shapes, reset schedule) without loading weights. Works under
+``accelerate launch -m armor_trl train ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field, fields
+
+from trl import ScriptArguments
+
+METHODS = ("armor", "grpo")
+RESERVED_RECIPE_KEYS = ("demo",)  # recipe sections read by other commands (the demo's own settings)
+
+
+@dataclass
+class DataArguments:
+    """How a dataset becomes ``prompt`` + ``answer`` (see :func:`armor_trl.datasets.load_rlvr_dataset`)."""
+
+    dataset_schema: str | None = field(
+        default=None,
+        metadata={"help": "Schema of the dataset: gsm8k, math, aime, dapo or prompt_answer. Default: detected."},
+    )
+    chat: bool = field(default=False, metadata={"help": "Write prompts as chat messages (uses the chat template)."})
+    system_prompt: str | None = field(default=None, metadata={"help": "System message (or text prefix) of prompts."})
+    instruction: str | None = field(
+        default=None,
+        metadata={"help": "Text appended to each problem; 'default' = ask for the final answer in \\boxed{}."},
+    )
+    arithmetic_train_size: int = field(default=64, metadata={"help": "dataset 'arithmetic': training problems."})
+    arithmetic_eval_size: int = field(default=200, metadata={"help": "dataset 'arithmetic': held-out problems."})
+    arithmetic_digits: int = field(default=2, metadata={"help": "dataset 'arithmetic': digits per operand."})
+    arithmetic_seed: int = field(default=0, metadata={"help": "dataset 'arithmetic': seed of the problem draw."})
+
+
+@dataclass
+class TrainScriptArguments(ScriptArguments, DataArguments):
+    """Dataset, reward and validation fields of ``armor-trl train`` (TRL's ScriptArguments plus these)."""
+
+    method: str = field(
+        default="armor",
+        metadata={"help": "armor: ArmorGRPOTrainer + ArmorConfig; grpo: trl.GRPOTrainer + GRPOConfig.",
+                  "choices": list(METHODS)},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["math_verify"],
+        metadata={"help": "Reward functions: built-in names (math_verify, exact_integer, format) or import paths "
+                  "'pkg.mod:func'. Weights: the config's reward_weights."},
+    )
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "Held-out set for validation. Default: dataset_name's dataset_test_split."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N training rows."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N held-out rows."})
+    ref_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "method armor: initial reference policy. Default: the initial policy."}
+    )
+    val_every_steps: int = field(default=0, metadata={"help": "Validate every N optimizer steps (0 = never)."})
+    val_k: int = field(default=4, metadata={"help": "k of pass@k in validation."})
+    val_num_samples: int | None = field(default=None, metadata={"help": "Samples per problem (default: val_k)."})
+    val_temperature: float | None = field(default=None, metadata={"help": "Default: the training temperature."})
+    val_top_p: float = field(default=1.0, metadata={"help": "top-p of validation sampling."})
+    val_max_new_tokens: int | None = field(default=None, metadata={"help": "Default: max_completion_length."})
+    val_batch_size: int = field(default=64, metadata={"help": "Sequences per generate call in validation."})
+    val_jsonl: str | None = field(default=None, metadata={"help": "Default: <output_dir>/val_metrics.jsonl."})
+    dry_run: bool = field(default=False, metadata={"help": "Validate the recipe and exit without loading weights."})
+
+
+@dataclass
+class EvalArguments(DataArguments):
+    """Fields of ``armor-trl eval``."""
+
+    model: str | None = field(default=None, metadata={"help": "Model path or hub id."})
+    dataset: str | None = field(default=None, metadata={"help": "Registry name, hub id, local file or 'arithmetic'."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    split: str | None = field(default=None, metadata={"help": "Split (default: the registry's; 'test' for arithmetic)."})
+    limit: int | None = field(default=None, metadata={"help": "Evaluate the first N problems only."})
+    reward: str | None = field(
+        default=None, metadata={"help": "Verifier (default: exact_integer for arithmetic, else math_verify)."}
+    )
+    k: int = field(default=8, metadata={"help": "k of avg@k and pass@k."})
+    num_samples: int | None = field(default=None, metadata={"help": "Samples per problem n >= k (default k)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (0 = greedy)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling top-p."})
+    max_new_tokens: int = field(default=1024, metadata={"help": "Maximum completion length."})
+    batch_size: int = field(default=64, metadata={"help": "Sequences per generate call."})
+    seed: int = field(default=0, metadata={"help": "Sampling seed."})
+    output: str | None = field(default=None, metadata={"help": "Write the result as JSON to this file."})
+
+
+def armor_only_fields() -> list[str]:
+    """Fields that ArmorConfig adds to GRPOConfig."""
+    from trl import GRPOConfig
+
+    from .config import ArmorConfig
+
+    return sorted({f.name for f in fields(ArmorConfig)} - {f.name for f in fields(GRPOConfig)})
+
+
+# --- parsing ---------------------------------------------------------------------------------------------------
+def _cli_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _flags(strings: list[str]) -> list[str]:
+    return [s[2:].split("=", 1)[0] for s in strings if s.startswith("--")]
+
+
+def _recipe(argv: list[str]) -> dict:
+    path = _cli_value(argv, "config")
+    if path is None:
+        return {}
+    import yaml
+
+    with open(path) as f:
+        recipe = yaml.safe_load(f) or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"Recipe {path} must be a YAML mapping.")
+    return recipe
+
+
+def parse_train_args(argv: list[str]):
+    """Parse ``armor-trl train`` arguments (YAML recipe + flags) with ``trl.TrlParser``.
+
+    Returns ``(script_args, training_args, model_args, notes)``; ``notes`` are warnings to show (ignored keys).
+    Raises ValueError for unknown keys or flags and for invalid values (including ArmorConfig's checks).
+    """
+    from trl import GRPOConfig, ModelConfig, TrlParser
+
+    from .config import ArmorConfig
+
+    argv = list(argv)
+    method = _cli_value(argv, "method") or _recipe(argv).get("method") or "armor"
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}.")
+    armor_only = armor_only_fields()
+    if method == "grpo":
+        rejected = [flag for flag in _flags(argv) if flag in armor_only]
+        if rejected:
+            raise ValueError(
+                f"--{', --'.join(rejected)}: ArmorConfig-only field(s), which do not apply to method 'grpo' "
+                "(plain trl.GRPOTrainer). Drop them or use --method armor."
+            )
+    parser = TrlParser((TrainScriptArguments, ArmorConfig if method == "armor" else GRPOConfig, ModelConfig),
+                       prog="armor-trl train")
+    script_args, training_args, model_args, recipe_rest, cli_rest = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    if cli_rest:
+        raise ValueError(f"Unknown arguments: {' '.join(cli_rest)}")
+    notes, unknown = [], []
+    for key in _flags(recipe_rest):
+        if key in RESERVED_RECIPE_KEYS:
+            continue
+        if method == "grpo" and key in armor_only:
+            notes.append(key)
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"Unknown key(s) in the recipe: {', '.join(unknown)} (not a field of TrainScriptArguments, "
+                         f"{'ArmorConfig' if method == 'armor' else 'GRPOConfig'} or ModelConfig).")
+    if notes:
+        notes = [f"method 'grpo' ignores the ArmorConfig-only recipe key(s): {', '.join(notes)}"]
+    return script_args, training_args, model_args, notes
+
+
+# --- building a run --------------------------------------------------------------------------------------------
+def load_datasets(args: DataArguments, train_source: str | None, eval_source: str | None, train_split: str,
+                  eval_split: str | None, name: str | None = None, max_train: int | None = None,
+                  max_eval: int | None = None):
+    """(train, held-out) datasets with ``prompt``/``answer``; either is None when its source is None."""
+    from .datasets import arithmetic_splits, load_rlvr_dataset
+
+    def load(source, split, limit):
+        if source is None:
+            return None
+        if source == "arithmetic":
+            train, held_out = arithmetic_splits(args.arithmetic_train_size, args.arithmetic_eval_size,
+                                                args.arithmetic_seed, args.arithmetic_digits, args.chat,
+                                                args.system_prompt)
+            dataset = train if split == "train" else held_out
+            return dataset.select(range(min(limit, len(dataset)))) if limit else dataset
+        return load_rlvr_dataset(source, split=split, name=name, schema=args.dataset_schema, chat=args.chat,
+                                 system_prompt=args.system_prompt, instruction=args.instruction, limit=limit)
+
+    return load(train_source, train_split, max_train), load(eval_source, eval_split, max_eval)
+
+
+def train_datasets(script_args: TrainScriptArguments):
+    eval_source = script_args.eval_dataset_name
+    if eval_source is None and script_args.val_every_steps > 0:
+        eval_source = script_args.dataset_name
+    eval_split = script_args.dataset_test_split
+    return load_datasets(script_args, script_args.dataset_name, eval_source, script_args.dataset_train_split,
+                         eval_split, script_args.dataset_config, script_args.max_train_samples,
+                         script_args.max_eval_samples)
+
+
+def reset_schedule(max_steps: int, every: int | None, until: int | None) -> list[int]:
+    """Optimizer steps (1..max_steps) after which ARMOR resets the reference."""
+    from .reference import reset_due
+
+    return [step for step in range(1, max_steps + 1) if reset_due(step, every, until)]
+
+
+def describe_resets(max_steps: int, every: int | None, until: int | None) -> str:
+    if every is None and until is None:
+        return "static reference (never reset)"
+    steps = reset_schedule(max_steps, every, until) if max_steps > 0 else []
+    parts = ([f"after every step up to {until}"] if until else []) + ([f"every {every} steps"] if every else [])
+    shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+    return f"reset {' then '.join(parts)}: {len(steps)} resets in {max_steps} steps ({shown or 'none'})"
+
+
+def validation_callback(script_args, training_args, eval_dataset, verifier, run_name=None, on_evaluate=None):
+    from .evaluation import ValidationCallback
+
+    return ValidationCallback(
+        eval_dataset,
+        verifier,
+        every_steps=script_args.val_every_steps,
+        k=script_args.val_k,
+        num_samples=script_args.val_num_samples,
+        max_new_tokens=script_args.val_max_new_tokens or training_args.max_completion_length,
+        temperature=training_args.temperature if script_args.val_temperature is None else script_args.val_temperature,
+        top_p=script_args.val_top_p,
+        batch_size=script_args.val_batch_size,
+        seed=training_args.seed,
+        jsonl_path=script_args.val_jsonl or os.path.join(training_args.output_dir, "val_metrics.jsonl"),
+        run_name=run_name,
+        on_evaluate=on_evaluate,
+    )
+
+
+def check_recipe(script_args, training_args, model_args) -> list[str]:
+    """Validate what a run needs besides the parsed configs, without loading weights; return a summary."""
+    from .rewards import resolve_rewards
+
+    if not model_args.model_name_or_path:
+        raise ValueError("model_name_or_path is required.")
+    if not script_args.dataset_name:
+        raise ValueError("dataset_name is required (a registry name, hub id, local file or 'arithmetic').")
+    rewards = resolve_rewards(script_args.reward_funcs)
+    weights = training_args.reward_weights
+    if weights is not None and len(weights) != len(rewards):
+        raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(rewards)} reward functions.")
+    train, held_out = train_datasets(script_args)
+    for label, dataset in (("training", train), ("held-out", held_out)):
+        if dataset is not None and "prompt" not in dataset.column_names:
+            raise ValueError(f"The {label} dataset has no 'prompt' column (columns: {dataset.column_names}).")
+    lines = [f"method: {script_args.method} ({'ArmorGRPOTrainer + ArmorConfig' if script_args.method == 'armor' else 'trl.GRPOTrainer + GRPOConfig'})"]
+    config_file = os.path.join(model_args.model_name_or_path, "config.json")
+    if os.path.isdir(model_args.model_name_or_path) and not os.path.isfile(config_file):
+        raise ValueError(f"{model_args.model_name_or_path} is a folder without config.json: not a saved model.")
+    lines.append(f"model: {model_args.model_name_or_path}")
+    lines.append(f"rewards: {', '.join(script_args.reward_funcs)} (weights {weights or [1.0] * len(rewards)})")
+    lines.append(f"train dataset: {script_args.dataset_name}, {len(train)} rows; first prompt {train[0]['prompt']!r}")
+    if held_out is not None:
+        lines.append(f"held-out dataset: {len(held_out)} rows, validated every {script_args.val_every_steps} steps")
+    world = training_args.world_size
+    local = training_args.per_device_train_batch_size * training_args.steps_per_generation
+    groups = local * world // training_args.num_generations
+    lines.append(
+        f"batch: {training_args.per_device_train_batch_size} per device x {training_args.steps_per_generation} steps "
+        f"per generation x {world} process(es) = {local * world} completions = {groups} groups of "
+        f"{training_args.num_generations} per generation round"
+    )
+    max_steps = training_args.max_steps
+    if max_steps <= 0:
+        max_steps = math.ceil(len(train) * training_args.num_generations * training_args.num_train_epochs
+                              / (training_args.per_device_train_batch_size * world
+                                 * training_args.gradient_accumulation_steps))
+    lines.append(f"steps: {max_steps}, lr {training_args.learning_rate}, loss {training_args.loss_type}, "
+                 f"beta {training_args.beta}, clip {training_args.epsilon}/{training_args.epsilon_high}")
+    if script_args.method == "armor":
+        lines.append(
+            f"ARMOR: alpha {training_args.resolved_alpha:.4g}, anchors {training_args.use_anchors} "
+            f"({training_args.anchor_num_samples} reference samples, filter '{training_args.anchor_filter}'), "
+            f"mixed ratio {training_args.use_mixed_ratio}"
+        )
+        lines.append("reference: " + describe_resets(max_steps, training_args.ref_reset_steps,
+                                                     training_args.ref_reset_every_step_until))
+    return lines
+
+
+def build_trainer(script_args, training_args, model_args, callbacks=(), run_name=None, on_evaluate=None):
+    """The trainer of a parsed recipe (ArmorGRPOTrainer or trl.GRPOTrainer), with the validation callback."""
+    from trl import GRPOTrainer, get_peft_config, get_quantization_config
+
+    from .rewards import resolve_rewards
+    from .trainer import ArmorGRPOTrainer
+
+    model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
+                             attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+    rewards = resolve_rewards(script_args.reward_funcs)
+    train, held_out = train_datasets(script_args)
+    kwargs = dict(
+        model=model_args.model_name_or_path,
+        reward_funcs=rewards,
+        args=training_args,
+        train_dataset=train,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+        callbacks=list(callbacks),
+    )
+    if script_args.method == "armor":
+        trainer = ArmorGRPOTrainer(**kwargs, ref_model=script_args.ref_model_name_or_path)
+    else:
+        trainer = GRPOTrainer(**kwargs)
+    if script_args.val_every_steps > 0:
+        verifier = rewards[0] if len(rewards) == 1 else _first_verifier(rewards)
+        trainer.add_callback(validation_callback(script_args, training_args, held_out, verifier, run_name, on_evaluate))
+    return trainer
+
+
+def _first_verifier(rewards):
+    """With several reward functions, validation uses the first built-in verifier (or the first function)."""
+    from .rewards import exact_integer_reward, math_verify_reward
+
+    return next((r for r in rewards if r in (math_verify_reward, exact_integer_reward)), rewards[0])
+
+
+# --- commands --------------------------------------------------------------------------------------------------
+def train_main(argv: list[str]) -> int:
+    try:
+        script_args, training_args, model_args, notes = parse_train_args(argv)
+        for note in notes:
+            print(f"armor-trl train: warning: {note}", file=sys.stderr)
+        summary = check_recipe(script_args, training_args, model_args)
+    except (ValueError, OSError) as error:
+        print(f"armor-trl train: error: {error}", file=sys.stderr)
+        return 2
+    if script_args.dry_run:
+        print("Recipe OK (dry run, no weights loaded):\n  " + "\n  ".join(summary))
+        return 0
+    trainer = build_trainer(script_args, training_args, model_args)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:
+        print(f"Training completed; model saved to {training_args.output_dir}.")
+    return 0
+
+
+def eval_main(argv: list[str]) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import TrlParser
+
+    from .evaluation import evaluate
+    from .rewards import resolve_reward
+
+    try:
+        (args,) = TrlParser((EvalArguments,), prog="armor-trl eval").parse_args_and_config(argv)
+        if not args.model or not args.dataset:
+            raise ValueError("--model and --dataset are required.")
+        split = args.split or ("test" if args.dataset == "arithmetic" else None)
+        _, dataset = load_datasets(args, None, args.dataset, "train", split, args.dataset_config, max_eval=args.limit)
+        verifier = resolve_reward(args.reward or ("exact_integer" if args.dataset == "arithmetic" else "math_verify"))
+    except (ValueError, OSError) as error:
+        print(f"armor-trl eval: error: {error}", file=sys.stderr)
+        return 2
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
+    if __import__("torch").cuda.is_available():
+        model = model.cuda()
+    result = evaluate(model, tokenizer, dataset, verifier, k=args.k, num_samples=args.num_samples,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                      batch_size=args.batch_size, seed=args.seed)
+    n = result["num_samples"]
+    print(f"{args.model} on {args.dataset} ({result['num_problems']} problems, n={n}): "
+          f"avg@{n} = {result[f'avg@{n}']:.4f}, pass@{args.k} = {result[f'pass@{args.k}']:.4f}")
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump({"model": args.model, "dataset": args.dataset, **result}, f, indent=2)
+    return 0
+
+
+def demo_main(argv: list[str]) -> int:
+    from . import demo
+
+    parser = argparse.ArgumentParser(prog="armor-trl demo", description=demo.__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=1, help="Repeat over this many seeds (mean ± std).")
+    parser.add_argument("--smoke", action="store_true", help="A tiny version that runs in seconds (for tests).")
+    parser.add_argument("--config", default=None, help="Recipe (default: configs/tiny_demo.yaml).")
+    parser.add_argument("--output_dir", default="results/demo", help="Where results go (a fresh run folder inside).")
+    parser.add_argument("--overwrite", action="store_true", help="Write into --output_dir itself, replacing its files.")
+    args = parser.parse_args(argv)
+    try:
+        demo.run_demo(args.config, args.output_dir, seeds=args.seeds, smoke=args.smoke, overwrite=args.overwrite)
+    except (ValueError, FileExistsError) as error:
+        print(f"armor-trl demo: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+COMMANDS = {"train": train_main, "eval": eval_main, "demo": demo_main}
+USAGE = """usage: armor-trl {train,eval,demo} ...
+
+  train   train with ARMOR or plain GRPO from a YAML recipe (TRL's parser; flags override the recipe)
+          e.g. armor-trl train --config recipe.yaml --method grpo --beta 0.04 [--dry_run]
+  eval    avg@k and pass@k of a model on a dataset with the built-in verifiers
+          e.g. armor-trl eval --model PATH --dataset gsm8k --split test --k 8
+  demo    the offline CPU demo: GRPO vs GRPO+KL vs ARMOR on a tiny model ([--seeds N] [--smoke])
+
+Run `armor-trl COMMAND --help` for a command's options."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"armor-trl: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

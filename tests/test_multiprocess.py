@@ -1,0 +1,292 @@
+"""ARMOR in several processes on CPU: DDP (torchrun) and DeepSpeed ZeRO-2 / ZeRO-3 (accelerate launch), gloo backend.
+
+Each run trains the tiny model for 3 steps with 2 processes (tests/mp_train_script.py) and every process writes
+what it saw; the assertions read those files:
+
+* ARMOR trains: the policy moves, and stays identical on every process;
+* every group lives whole on one process, with its anchor in its last row, chosen from candidates that this
+  process itself scored (a wrong slice of the gathered candidate rewards would pick anchors by another
+  process's rewards);
+* logged metrics are gathered: they equal what the per-process records add up to, and every process logs the
+  same values;
+* resets: ``armor/ref_resets`` counts them, the reference equals the policy right after each reset (ZeRO-3
+  shards gathered to compare) and differs from it in between, and the reverse KL logged at the step after a
+  reset is zero;
+* with the same seed the three backends draw the same samples, so their metrics and weights must agree;
+  a single-process run of the same global batch must log the same metrics and reset on the same schedule.
+
+Run them with ``pytest -m slow tests/test_multiprocess.py`` (the DeepSpeed tests need ``pip install deepspeed``;
+its first launch on a machine compiles a small CPU communication op, about 30 s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "mp_train_script.py"
+ACCELERATE_CONFIGS = REPO / "configs" / "accelerate"
+NUM_PROCESSES = 2
+MAX_STEPS = 3
+RESET_STEPS = 2
+# Two reference candidates per group: some groups find no verified anchor, so the empty-slot path is exercised.
+COMMON_ARGS = ["--max_steps", str(MAX_STEPS), "--ref_reset_steps", str(RESET_STEPS), "--anchor_num_samples", "2"]
+LAUNCH_TIMEOUT = 420  # generous for a shared 2-core machine; a healthy run takes 20-60 s
+TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+# Metrics that differ between a 1-process and a 2-process run of the same global batch only through sampling.
+STRUCTURAL_METRICS = ("armor/ref_resets", "armor/kl_reverse_policy", "armor/ratio_policy_mean")
+
+
+def _env() -> dict:
+    env = os.environ.copy()
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(command: list[str], out: Path, processes: int) -> list[dict]:
+    """Run a launcher command; return the per-process result files, in rank order."""
+    try:
+        done = subprocess.run(
+            command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
+        )
+    except subprocess.TimeoutExpired as error:
+        tail = (error.stdout or b"")[-4000:] if isinstance(error.stdout, bytes) else (error.stdout or "")[-4000:]
+        pytest.fail(f"{' '.join(command)} timed out after {LAUNCH_TIMEOUT}s:\n{tail}")
+    if done.returncode != 0:
+        log = done.stdout + done.stderr
+        errors = [line for line in log.splitlines() if "Error" in line or "error" in line]
+        pytest.fail(
+            f"{' '.join(map(str, command))} exited with {done.returncode}.\nError lines:\n"
+            + "\n".join(errors[-10:])
+            + f"\n--- output tail ---\n{log[-6000:]}"
+        )
+    files = sorted(out.glob("rank*.json"))
+    assert len(files) == processes, f"expected {processes} result files, got {[f.name for f in files]}"
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
+
+
+def run_torchrun(model: str, out: Path, *extra: str) -> list[dict]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NUM_PROCESSES),
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        str(SCRIPT), "--model", model, "--out", str(out), "--ddp_backend", "gloo", *COMMON_ARGS, *extra,
+    ]  # fmt: skip
+    return _launch(command, out, NUM_PROCESSES)
+
+
+def run_accelerate(config: str, model: str, out: Path, *extra: str) -> list[dict]:
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(ACCELERATE_CONFIGS / config), "--num_processes", str(NUM_PROCESSES),
+        "--mixed_precision", "no", "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
+        # DeepSpeed needs use_cpu=False (with use_cpu=True accelerate silently falls back to plain DDP);
+        # on a host without GPUs DeepSpeed then picks its CPU accelerator and we ask for gloo.
+        str(SCRIPT), "--model", model, "--out", str(out), "--ddp_backend", "gloo", "--no_cpu", *COMMON_ARGS, *extra,
+    ]  # fmt: skip
+    return _launch(command, out, NUM_PROCESSES)
+
+
+def run_single(model: str, out: Path) -> list[dict]:
+    # One process with the same global batch (2 processes x 8 rows = 16 rows = 4 groups per step).
+    command = [
+        sys.executable, str(SCRIPT), "--model", model, "--out", str(out),
+        "--per_device_train_batch_size", "16", *COMMON_ARGS,
+    ]  # fmt: skip
+    return _launch(command, out, 1)
+
+
+# --- what every run must satisfy ---------------------------------------------------------------------------------
+def _steps_logged(ranks: list[dict]) -> list[dict]:
+    return [entry for entry in ranks[0]["log_history"] if "loss" in entry]
+
+
+def _close(a, b, rel=1e-5, abs_=1e-6) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+def check_run(ranks: list[dict], processes: int, distributed_type: str) -> None:
+    assert [r["rank"] for r in ranks] == list(range(processes))
+    for r in ranks:
+        assert r["world_size"] == processes
+        assert r["distributed_type"].endswith(distributed_type), r["distributed_type"]
+        assert r["reference_start_equals_initial"], "the reference did not start as the initial policy"
+
+    # ARMOR trains, and the processes agree on the weights.
+    for r in ranks:
+        assert r["final"]["params_compared"] > 0
+        assert r["final"]["policy_change"] > 1e-4, "the policy did not move"
+    assert len({r["final"]["policy_checksum"] for r in ranks}) == 1, "processes hold different policies"
+    assert len({r["final"]["reference_checksum"] for r in ranks}) == 1, "processes hold different references"
+
+    # Every group lives whole on one process, with its anchor (chosen by this process's own rewards) in its last row.
+    for r in ranks:
+        assert [round_["step"] for round_ in r["rounds"]] == list(range(1, MAX_STEPS + 1))
+        for round_ in r["rounds"]:
+            where = f"rank {r['rank']}, step {round_['step']}"
+            assert round_["rows"] % round_["groups"] == 0 and round_["groups"] > 0
+            assert round_["candidate_prompts_match"], f"{where}: candidates scored for other prompts than the groups'"
+            assert all(round_["prompts_whole"]), f"{where}: a group's rows hold different prompts"
+            assert all(round_["anchor_in_last_row"]), f"{where}: a group's last row is not its anchor"
+            assert all(round_["is_anchor_matches_found"]), f"{where}: armor_is_anchor disagrees with the anchors found"
+            assert round_["found"] == round_["locally_verified"], (
+                f"{where}: anchors found {round_['found']} but this process's own rewards verified "
+                f"{round_['locally_verified']} (wrong slice of the gathered candidate rewards?)"
+            )
+            assert round_["rollout_reward_calls"] == 1
+    for step in range(MAX_STEPS):
+        prompts = [p for r in ranks for p in r["rounds"][step]["group_prompts"]]
+        assert len(prompts) == len(set(prompts)), f"step {step + 1}: a group was split over processes: {prompts}"
+
+    # Logged metrics are gathered over processes: they equal the sums of the per-process records ...
+    logged = _steps_logged(ranks)
+    assert [entry["step"] for entry in logged] == list(range(1, MAX_STEPS + 1))
+    for entry in logged:
+        rounds = [r["rounds"][entry["step"] - 1] for r in ranks]
+        found = [f for round_ in rounds for f in round_["found"]]
+        assert _close(entry["armor/anchor_found_frac"], sum(found) / len(found)), (entry["step"], found)
+        assert _close(entry["armor/groups_dropped_frac"], 1 - sum(found) / len(found))
+        scored = []  # rollout rewards of rows that are group members (empty anchor slots are not)
+        for round_ in rounds:
+            size = round_["rows"] // round_["groups"]
+            for row, reward in enumerate(round_["rollout_rewards"]):
+                if not (row % size == size - 1 and not round_["found"][row // size]):
+                    scored.append(reward)
+        assert _close(entry["rewards/has_digit/mean"], sum(scored) / len(scored)), (entry["step"], scored)
+    # ... and every process logs the same values.
+    for r in ranks[1:]:
+        for mine, theirs in zip(ranks[0]["log_history"], r["log_history"], strict=True):
+            for key, value in mine.items():
+                if key not in TIMING_KEYS:
+                    assert theirs.get(key) == value, f"rank {r['rank']} logged {key}={theirs.get(key)}, rank 0 {value}"
+
+    # Resets: counted, the reference equals the policy right after each one and differs in between.
+    for r in ranks:
+        for record in r["steps"]:
+            due = record["step"] % RESET_STEPS == 0
+            assert record["reset_now"] == due, record
+            assert record["resets"] == record["step"] // RESET_STEPS, record
+            if due:
+                assert record["ref_policy_max_diff"] == 0.0, f"rank {r['rank']}: reference != policy after a reset"
+                assert record["reference_checksum"] == record["policy_checksum"]
+            else:
+                assert record["ref_policy_max_diff"] > 0.0, f"rank {r['rank']}: reference followed the policy"
+        assert r["final"]["resets"] == MAX_STEPS // RESET_STEPS
+    for entry in logged:
+        assert entry["armor/ref_resets"] == (entry["step"] - 1) // RESET_STEPS  # logged before the step's update
+        if (entry["step"] - 1) % RESET_STEPS == 0:  # the reference equals the policy that generated this round
+            assert abs(entry["armor/kl_reverse_policy"]) < 1e-6, entry
+            assert _close(entry["armor/ratio_policy_mean"], 1.0)
+
+
+def check_same_run(ranks: list[dict], baseline: list[dict], what: str) -> None:
+    """Two backends, same seed and data: same samples, so the same metrics and (up to float noise) weights."""
+    for r, b in zip(ranks, baseline, strict=True):
+        for mine, theirs in zip(r["rounds"], b["rounds"], strict=True):
+            for key in ("group_prompts", "found", "rollout_rewards", "is_anchor"):
+                assert mine[key] == theirs[key], f"{what}: rank {r['rank']} step {mine['step']} {key} differs"
+        for mine, theirs in zip(r["log_history"], b["log_history"], strict=True):
+            for key, value in theirs.items():
+                if key in TIMING_KEYS or not isinstance(value, (int, float)):
+                    continue
+                assert _close(mine.get(key), value, rel=1e-3, abs_=1e-5), f"{what}: {key} {mine.get(key)} vs {value}"
+        assert _close(r["final"]["policy_checksum"], b["final"]["policy_checksum"], rel=1e-6)
+        assert _close(r["final"]["reference_checksum"], b["final"]["reference_checksum"], rel=1e-6)
+
+
+# --- fixtures: one run per backend, shared by the tests of this module --------------------------------------------
+@pytest.fixture(scope="module")
+def ddp_run(tiny_model_path, tmp_path_factory):
+    return run_torchrun(tiny_model_path, tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_model_path, tmp_path_factory):
+    return run_single(tiny_model_path, tmp_path_factory.mktemp("single"))
+
+
+# --- tests ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ddp_two_processes(ddp_run):
+    check_run(ddp_run, NUM_PROCESSES, "MULTI_CPU")
+    for r in ddp_run:
+        assert r["reference_type"] == "LlamaForCausalLM" and not r["reference_sharded"]
+
+
+@pytest.mark.slow
+def test_single_process_matches_ddp_structure(single_run, ddp_run):
+    check_run(single_run, 1, "NO")
+    single, multi = _steps_logged(single_run), _steps_logged(ddp_run)
+    assert [sorted(entry) for entry in single] == [sorted(entry) for entry in multi], "logged metric names differ"
+    for one, two in zip(single, multi, strict=True):
+        assert one["armor/ref_resets"] == two["armor/ref_resets"]
+        # one process scores the whole global batch: same number of groups and rows as the two together
+        assert one["num_tokens"] > 0 and two["num_tokens"] > 0
+    assert sum(r["groups"] for r in single_run[0]["rounds"]) == sum(
+        round_["groups"] for r in ddp_run for round_ in r["rounds"]
+    )
+    assert single_run[0]["final"]["resets"] == ddp_run[0]["final"]["resets"]
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2(tiny_model_path, tmp_path, ddp_run):
+    pytest.importorskip("deepspeed")
+    ranks = run_accelerate("zero2.yaml", tiny_model_path, tmp_path)
+    check_run(ranks, NUM_PROCESSES, "DEEPSPEED")
+    assert all(r["deepspeed_stage"] == 2 and not r["reference_sharded"] for r in ranks)
+    check_same_run(ranks, ddp_run, "ZeRO-2 vs DDP")
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3(tiny_model_path, tmp_path, ddp_run):
+    pytest.importorskip("deepspeed")
+    ranks = run_accelerate("zero3.yaml", tiny_model_path, tmp_path)
+    check_run(ranks, NUM_PROCESSES, "DEEPSPEED")
+    assert all(r["deepspeed_stage"] == 3 and r["reference_sharded"] for r in ranks), "ZeRO-3 should shard π_ref"
+    check_same_run(ranks, ddp_run, "ZeRO-3 vs DDP")
+
+
+def test_accelerate_configs_are_valid():
+    """The shipped configs load as accelerate launch configs, with the documented settings."""
+    yaml = pytest.importorskip("yaml")
+    expected = {
+        "ddp.yaml": ("MULTI_GPU", None, None),
+        "zero2.yaml": ("DEEPSPEED", 2, "none"),
+        "zero3.yaml": ("DEEPSPEED", 3, "none"),
+        "zero3_offload.yaml": ("DEEPSPEED", 3, "cpu"),
+    }
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    for name, (distributed_type, stage, offload) in expected.items():
+        config = yaml.safe_load((ACCELERATE_CONFIGS / name).read_text())
+        assert config["compute_environment"] == "LOCAL_MACHINE"
+        assert config["distributed_type"] == distributed_type
+        assert config["num_processes"] == 8
+        ClusterConfig.from_yaml_file(str(ACCELERATE_CONFIGS / name))  # accelerate's own parser accepts it
+        if stage is not None:
+            ds = config["deepspeed_config"]
+            assert ds["zero_stage"] == stage
+            assert ds["offload_param_device"] == offload and ds["offload_optimizer_device"] == offload

@@ -1,0 +1,86 @@
+"""Resume restores the reference exactly (full and LoRA), and refuses checkpoints it cannot honour."""
+
+import json
+import os
+
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import TrainerCallback
+
+from armor_trl.reference import STATE_FILE
+from conftest import digit_share_reward
+from test_trainer import make_trainer
+
+LORA = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), learning_rate=5e-2)
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def run(tiny_model_path, tiny_tokenizer, dataset, output_dir, stop_at=None, resume=None, **extra):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, dataset, output_dir, reward_funcs=digit_share_reward,
+        anchor_reward_threshold=0.1, ref_reset_steps=2, max_steps=5, save_strategy="steps", save_steps=3,
+        anchor_cache=True, **extra,
+    )
+    if stop_at is not None:
+        trainer.add_callback(StopAt(stop_at))
+    trainer.train(resume_from_checkpoint=resume)
+    reference = [p.detach().clone() for p in trainer.reference.parameters_of(trainer._unwrapped_policy())]
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    return trainer, reference, losses
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_resume_restores_the_reset_reference_exactly(kind, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    extra = LORA if kind == "lora" else {}
+    _, reference, losses = run(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "straight", **extra)
+
+    interrupted = tmp_path / "interrupted"
+    first, _, _ = run(tiny_model_path, tiny_tokenizer, prompt_dataset, interrupted, stop_at=3, **extra)
+    assert first.state.global_step == 3 and first.reference.resets == 1
+    state = json.loads((interrupted / "checkpoint-3" / STATE_FILE).read_text())
+    assert state["resets"] == 1 and state["kind"] == kind
+
+    resumed, resumed_reference, resumed_losses = run(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, interrupted, resume=True, **extra
+    )
+    assert resumed.reference.resets == 2
+    assert max((a - b).abs().max().item() for a, b in zip(reference, resumed_reference)) == 0.0
+    for step in (4, 5):
+        assert resumed_losses[step] == pytest.approx(losses[step], abs=1e-6)
+
+
+def test_resume_with_a_different_armor_configuration_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    run(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, stop_at=3)
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, ref_reset_steps=4, max_steps=5, anchor_cache=True,
+        anchor_reward_threshold=0.1,
+    )
+    with pytest.raises(ValueError, match="ref_reset_steps: checkpoint 2 vs now 4"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_resume_skips_an_incomplete_checkpoint_and_keeps_it(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    run(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, stop_at=3)
+    partial = tmp_path / "checkpoint-4"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half-written")
+    trainer, _, _ = run(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, resume=True)
+    assert trainer.state.global_step == 5
+    assert (tmp_path / "checkpoint-3" / STATE_FILE).exists()  # the last complete checkpoint is intact
+
+
+def test_resume_from_a_checkpoint_not_written_by_armor_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
+    plain = tmp_path / "checkpoint-1"
+    plain.mkdir()
+    with pytest.raises(ValueError, match="not written"):
+        trainer.train(resume_from_checkpoint=str(plain))
