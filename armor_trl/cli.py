@@ -401,11 +401,12 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument("--seeds", type=int, default=1, help="Repeat over this many seeds (mean ± std).")
     parser.add_argument("--smoke", action="store_true", help="A tiny version that runs in seconds (for tests).")
     parser.add_argument("--config", default=None, help="Recipe (default: configs/tiny_demo.yaml).")
-    parser.add_argument("--output_dir", default="results/demo", help="Where results go (a fresh run folder inside).")
-    parser.add_argument("--overwrite", action="store_true", help="Write into --output_dir itself, replacing its files.")
+    parser.add_argument("--output_dir", default="results/demo",
+                        help="Results go to a fresh run-<time> folder inside (earlier runs are never overwritten); "
+                        "the warm-started model is cached in <output_dir>/cache.")
     args = parser.parse_args(argv)
     try:
-        demo.run_demo(args.config, args.output_dir, seeds=args.seeds, smoke=args.smoke, overwrite=args.overwrite)
+        demo.run_demo(args.config, args.output_dir, seeds=args.seeds, smoke=args.smoke)
     except (ValueError, FileExistsError) as error:
         print(f"armor-trl demo: error: {error}", file=sys.stderr)
         return 2

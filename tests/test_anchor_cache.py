@@ -1,0 +1,81 @@
+"""The anchor cache: reuse verified anchors until the reference changes; bounded; hit rate logged."""
+
+from datasets import Dataset
+
+from armor_trl import trl_seam as seam
+from armor_trl.anchors import AnchorCache
+from conftest import digit_share_reward
+from test_trainer import logged, make_trainer
+
+
+def test_cache_is_lru_bounded_and_invalidated_by_a_new_reference():
+    cache = AnchorCache(max_entries=2)
+    cache.put([1, 2], [7], 1.0)
+    cache.put([3], [8], 1.0)
+    assert cache.get([1, 2]) == ([7], 1.0)  # touch: [3] is now the least recently used
+    cache.put([4], [9], 1.0)
+    assert len(cache) == 2 and cache.get([3]) is None and cache.get([1, 2]) is not None
+    cache.sync(reference_version=0)
+    assert len(cache) == 2
+    cache.sync(reference_version=1)
+    assert len(cache) == 0
+
+
+def test_cache_state_round_trip():
+    cache = AnchorCache(max_entries=5)
+    cache.put([1], [2, 3], 0.5)
+    cache.sync(0)
+    restored = AnchorCache(max_entries=5)
+    restored.load_state_dict(cache.state_dict())
+    assert restored.get([1]) == ([2, 3], 0.5) and restored.reference_version == 0
+
+
+def two_prompts():
+    return Dataset.from_dict({"prompt": ["1+2=", "3+4="] * 8})
+
+
+def count_reference_rows(monkeypatch, trainer):
+    rows = []
+    original = seam.generate
+
+    def recording(t, prompt_ids, num_generations):
+        if t.model_wrapped is trainer.reference.model:
+            rows.append(len(prompt_ids))
+        return original(t, prompt_ids, num_generations)
+
+    monkeypatch.setattr(seam, "generate", recording)
+    return rows
+
+
+def test_cached_prompts_sample_no_new_candidates(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path, reward_funcs=digit_share_reward,
+        anchor_reward_threshold=0.01, anchor_cache=True, max_steps=4, num_generations=4, per_device_train_batch_size=8,
+    )
+    rows = count_reference_rows(monkeypatch, trainer)
+    trainer.train()
+    hits = logged(trainer, "armor/anchor_cache_hit_frac")
+    assert hits[0] == 0.0 and hits[-1] == 1.0  # both prompts found their anchor in round 1, reused afterwards
+    assert rows[0] == 2 * 4 and len(rows) < 4  # later rounds sampled nothing
+    assert logged(trainer, "armor/anchor_found_frac")[-1] == 1.0
+
+
+def test_a_reset_invalidates_the_cache(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path, reward_funcs=digit_share_reward,
+        anchor_reward_threshold=0.01, anchor_cache=True, ref_reset_steps=1, max_steps=3,
+    )
+    rows = count_reference_rows(monkeypatch, trainer)
+    trainer.train()
+    assert logged(trainer, "armor/anchor_cache_hit_frac") == [0.0, 0.0, 0.0]
+    assert rows == [8, 8, 8]
+
+
+def test_cache_size_bound_is_respected(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=digit_share_reward,
+        anchor_reward_threshold=0.01, anchor_cache=True, anchor_cache_size=1, max_steps=2,
+    )
+    trainer.train()
+    assert len(trainer.anchor_cache) == 1
+    assert max(logged(trainer, "armor/anchor_cache_size")) == 1
