@@ -85,6 +85,13 @@ class ArmorConfig(GRPOConfig):
             "π_θ/π_θ,old. Ablation switch."
         },
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Let a new (not resumed) run write into an output_dir that already holds checkpoints, which it may "
+            "overwrite. Off by default, so an earlier run's checkpoints are never lost by accident."
+        },
+    )
     # ARMOR's defaults for fields that GRPOConfig already has.
     beta: float = field(
         default=0.0,
@@ -102,8 +109,19 @@ class ArmorConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._check_precision()
         super().__post_init__()
         self._check_armor_fields()
+
+    def _check_precision(self) -> None:
+        """Say what to do when bf16 (TRL's default) is asked for on a machine without bf16 support."""
+        from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+        if self.bf16 and not self.use_cpu and not is_torch_bf16_gpu_available() and not is_torch_xla_available():
+            raise ValueError(
+                "bf16=True (TRL's default) needs a GPU with bf16 support, and none is available. On a CPU set "
+                "bf16=False, or use_cpu=True to train in bf16 on the CPU."
+            )
 
     @property
     def armor_enabled(self) -> bool:

@@ -15,6 +15,7 @@ How one generation round differs from GRPO (train mode, ARMOR on):
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 
@@ -25,14 +26,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
-from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model, get_config_model_id
 
 from . import trl_seam as seam
 from .anchors import AnchorCache, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
 from .config import ArmorConfig
 from .mixed_ratio import k3_kl, mixed_logprobs
 from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference, latest_complete_checkpoint
+from .reward_checks import checked
 
 logger = logging.get_logger(__name__)
 
@@ -75,6 +76,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
             )
         uses_peft = peft_config is not None or (not isinstance(model, str) and is_peft_model(model))
         self._check_combinations(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft)
+        if args.armor_enabled:
+            self._check_inputs(train_dataset, processing_class, environment_factory)
 
         self.reference: ReferencePolicy | None = None
         self.anchor_cache = AnchorCache(args.anchor_cache_size) if args.anchor_cache and args.use_anchors else None
@@ -104,6 +107,11 @@ class ArmorGRPOTrainer(GRPOTrainer):
         )
         if not args.armor_enabled:
             return  # both ablation switches off: exactly GRPOTrainer
+        self.reward_funcs = [
+            func if isinstance(func, torch.nn.Module) or inspect.iscoroutinefunction(func) else checked(func, name)
+            for func, name in zip(self.reward_funcs, self.reward_func_names)
+        ]
+        self._warned_no_anchor = False
         if args.use_anchors and self._is_vlm:
             raise ValueError("use_anchors=True does not support vision-language models (multimodal prompts) yet.")
         self.armor_alpha = args.resolved_alpha
@@ -143,6 +151,31 @@ class ArmorGRPOTrainer(GRPOTrainer):
                     f"use_anchors=True is not supported with {what} yet: anchors are sampled on the transformers "
                     "generation path. Set use_anchors=False to train with the mixed ratio only, or drop that option."
                 )
+
+    @staticmethod
+    def _check_inputs(train_dataset, processing_class, environment_factory):
+        columns = getattr(train_dataset, "column_names", None)
+        if environment_factory is None and columns is not None and "prompt" not in columns:
+            raise ValueError(
+                f"train_dataset needs a 'prompt' column (a string or a list of chat messages); it has {columns}. "
+                "Rename your question column to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+            )
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is None:
+            raise ValueError(
+                "processing_class has neither a pad token nor an eos token; GRPO pads with the pad token (or eos). "
+                "Set tokenizer.pad_token (and eos_token) before creating the trainer."
+            )
+
+    def _check_prompt_lengths(self, prompt_ids: list) -> None:
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        longest = max(len(ids) for ids in prompt_ids)
+        if limit is not None and longest + self.max_completion_length > limit:
+            raise ValueError(
+                f"A prompt is {longest} tokens long; with max_completion_length={self.max_completion_length} that "
+                f"exceeds the model's max_position_embeddings ({limit}). Filter or truncate long prompts, or lower "
+                "max_completion_length."
+            )
 
     def _build_reference_model(self, ref_model, ref_copy, quantization_config):
         args = self.args
@@ -198,6 +231,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return output
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.reference is not None:
+            self._check_prompt_lengths(prompt_ids)
         if self._armor_inputs is None:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         rows, group_size = len(prompt_ids), num_generations
@@ -319,6 +354,14 @@ class ArmorGRPOTrainer(GRPOTrainer):
     def _log_anchor_metrics(self, output: dict, found: torch.Tensor, is_anchor: torch.Tensor) -> None:
         all_found = gather(found.float())
         seam.log_metric(self, "armor/anchor_found_frac", all_found.mean().item())
+        if all_found.sum() == 0 and not self._warned_no_anchor:
+            self._warned_no_anchor = True
+            effect = "nothing was trained" if self.args.anchor_filter == "drop" else "groups trained without anchors"
+            logger.warning(
+                f"No reference candidate reached anchor_reward_threshold={self.args.anchor_reward_threshold} in this "
+                f"round ({effect}; anchor_filter={self.args.anchor_filter!r}). Check the reward functions and the "
+                "threshold; armor/anchor_found_frac tracks this (warned once)."
+            )
         dropped = 1.0 - all_found.mean().item() if self.args.anchor_filter == "drop" else 0.0
         seam.log_metric(self, "armor/groups_dropped_frac", dropped)
         seam.log_metric(self, "armor/anchor_reward_mean", torch.nanmean(gather(self._armor_round["reward"])).item())
@@ -353,8 +396,17 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return {"armor_alpha": self.armor_alpha, **{name: getattr(self.args, name) for name in fields}}
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if self.reference is not None and resume_from_checkpoint:
-            resume_from_checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        if self.reference is not None:
+            if resume_from_checkpoint:
+                resume_from_checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+            elif not self.args.overwrite_output_dir:
+                existing, incomplete = latest_complete_checkpoint(self.args.output_dir)
+                if existing or incomplete:
+                    raise ValueError(
+                        f"output_dir {self.args.output_dir} already holds checkpoints of an earlier run, which this "
+                        "run would overwrite. Resume it with train(resume_from_checkpoint=True), choose another "
+                        "output_dir, or set overwrite_output_dir=True."
+                    )
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _resolve_checkpoint(self, checkpoint) -> str:
