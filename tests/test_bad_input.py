@@ -1,0 +1,122 @@
+"""Rows of docs/bad_input.md not covered by the module tests: each bad input gets our clear error first."""
+
+import logging
+
+import pytest
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from armor_trl import ArmorConfig
+from armor_trl.reward_checks import RewardFunctionError
+from conftest import cpu_args, has_digit_reward
+from test_trainer import logged, make_trainer
+
+
+def test_anchor_cache_size_below_one(tmp_path):
+    with pytest.raises(ValueError, match="anchor_cache_size"):
+        ArmorConfig(output_dir=str(tmp_path), anchor_cache=True, anchor_cache_size=0, **cpu_args())
+
+
+def test_bf16_without_support_says_what_to_do(tmp_path, monkeypatch):
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: False)
+    args = cpu_args(bf16=True, use_cpu=False)
+    with pytest.raises(ValueError, match="bf16=True .* set bf16=False, or use_cpu=True"):
+        ArmorConfig(output_dir=str(tmp_path), **args)
+
+
+def test_dataset_without_prompt_column(tiny_model_path, tiny_tokenizer, tmp_path):
+    dataset = Dataset.from_dict({"question": ["1+1="] * 8, "answer": ["2"] * 8})
+    with pytest.raises(ValueError, match=r"'prompt' column .*\['question', 'answer'\]"):
+        make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path)
+
+
+def test_tokenizer_without_pad_token_pads_with_eos(tiny_model_path, prompt_dataset, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.pad_token = None
+    trainer = make_trainer(tiny_model_path, tokenizer, prompt_dataset, tmp_path, max_steps=1)
+    assert trainer.processing_class.pad_token == trainer.processing_class.eos_token
+    trainer.train()
+
+
+def test_tokenizer_without_pad_or_eos_token(tiny_model_path, prompt_dataset, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.pad_token = None
+    tokenizer.eos_token = None
+    with pytest.raises(ValueError, match="neither a pad token nor an eos token"):
+        make_trainer(tiny_model_path, tokenizer, prompt_dataset, tmp_path)
+
+
+def test_prompt_longer_than_the_model_allows(tiny_model_path, tiny_tokenizer, tmp_path):
+    dataset = Dataset.from_dict({"prompt": ["1+" * 200 + "1="] * 8})
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, max_steps=1)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        (lambda completions, **kw: [1.0] * (len(completions) - 1), "returned 7 rewards for 8|returned 3 rewards for 4"),
+        (lambda completions, **kw: 1.0 / 0, "raised ZeroDivisionError"),
+        (lambda completions, **kw: ["yes"] * len(completions), "returned 'yes'"),
+        (lambda completions, **kw: None, "must return a list"),
+    ],
+    ids=["wrong_count", "raises", "not_a_number", "returns_none"],
+)
+def test_reward_function_mistakes_name_the_function(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward, message):
+    def my_reward(completions, **kwargs):
+        return reward(completions, **kwargs)
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=my_reward, max_steps=1)
+    with pytest.raises(RewardFunctionError, match=f"Reward function 'my_reward' ({message})"):
+        trainer.train()
+
+
+def test_nan_reward_is_treated_like_none(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog):
+    def nan_reward(completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=[has_digit_reward, nan_reward],
+        anchor_reward_threshold=0.0, max_steps=1,
+    )
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert logged(trainer, "armor/anchor_found_frac") == [0.0]  # NaN never verifies
+    assert "nan_reward" in caplog.text and "treated like None" in caplog.text
+
+
+def test_no_anchor_in_a_whole_run_trains_on_and_says_so(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, anchor_reward_threshold=2.0, max_steps=2)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert logged(trainer, "armor/anchor_found_frac") == [0.0, 0.0]
+    assert caplog.text.count("No reference candidate reached anchor_reward_threshold") == 1
+
+
+def test_existing_checkpoints_are_not_overwritten(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    earlier = tmp_path / "checkpoint-1"
+    earlier.mkdir()
+    (earlier / "model.safetensors").write_bytes(b"earlier run")
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        trainer.train()
+    assert (earlier / "model.safetensors").read_bytes() == b"earlier run"
+    allowed = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1, overwrite_output_dir=True)
+    allowed.train()
+
+
+def test_resuming_a_lora_checkpoint_in_a_full_model_run_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    from peft import LoraConfig
+
+    lora = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1, save_strategy="steps", save_steps=1,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj"]),
+    )
+    lora.train()
+    full = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2)
+    with pytest.raises(ValueError, match="kind: checkpoint 'lora' vs now 'full'"):
+        full.train(resume_from_checkpoint=True)
