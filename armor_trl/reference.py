@@ -68,6 +68,8 @@ class ReferencePolicy:
         self.trained_adapter = trained_adapter
         self.resets = 0
         self.last_reset_step = 0
+        # optimizer step after which π_ref was last made equal to the policy (None: never, e.g. a given ref_model)
+        self.synced_step: int | None = None
 
     # --- build -------------------------------------------------------------------------------------------------
     @classmethod
@@ -89,6 +91,7 @@ class ReferencePolicy:
         peft_model.add_adapter(REF_ADAPTER, peft_model.peft_config[trained])
         reference = cls("lora", model=None, trained_adapter=trained)
         reference.copy_from(peft_model)
+        reference.synced_step = 0
         for name, param in peft_model.named_parameters():
             if f".{REF_ADAPTER}." in name:
                 param.requires_grad_(False)
@@ -122,6 +125,11 @@ class ReferencePolicy:
         self.copy_from(policy)
         self.resets += 1
         self.last_reset_step = step
+        self.synced_step = step
+
+    def equals_policy_at(self, step: int) -> bool:
+        """True when π_ref is known to equal the policy after optimizer step ``step`` (no update since a copy)."""
+        return self.synced_step == step
 
     # --- use ---------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -154,7 +162,13 @@ class ReferencePolicy:
         if not write:
             return
         torch.save(tensors, os.path.join(directory, REF_WEIGHTS_FILE))
-        state = {"kind": self.kind, "resets": self.resets, "last_reset_step": self.last_reset_step, **extra}
+        state = {
+            "kind": self.kind,
+            "resets": self.resets,
+            "last_reset_step": self.last_reset_step,
+            "synced_step": self.synced_step,
+            **extra,
+        }
         temporary = os.path.join(directory, STATE_FILE + ".tmp")
         with open(temporary, "w") as f:
             json.dump(state, f)
@@ -194,6 +208,7 @@ class ReferencePolicy:
                     target.data.copy_(tensors[index].to(target.device, target.dtype))
         self.resets = state["resets"]
         self.last_reset_step = state["last_reset_step"]
+        self.synced_step = state.get("synced_step")
         return state
 
 

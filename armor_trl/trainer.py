@@ -15,6 +15,7 @@ How one generation round differs from GRPO (train mode, ARMOR on):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -34,6 +35,7 @@ from .config import ArmorConfig
 from .mixed_ratio import k3_kl, mixed_logprobs
 from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference, latest_complete_checkpoint
 from .reward_checks import checked
+from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
 
 logger = logging.get_logger(__name__)
 
@@ -119,6 +121,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
             self.reference = ReferencePolicy.lora(self.model)
         else:
             self.reference = ReferencePolicy.full(self._build_reference_model(ref_model, ref_copy, quantization_config))
+            if ref_model is None:
+                self.reference.synced_step = 0  # a copy of the initial policy
         self.add_callback(
             ReferenceResetCallback(
                 self.reference, self._unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until
@@ -138,7 +142,6 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if not args.use_anchors:
             return
         unsupported = {
-            "use_vllm=True": args.use_vllm,
             "use_transformers_continuous_batching=True": args.use_transformers_continuous_batching,
             "tools": bool(tools),
             "rollout_func": rollout_func is not None,
@@ -148,8 +151,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
         for what, present in unsupported.items():
             if present:
                 raise ValueError(
-                    f"use_anchors=True is not supported with {what} yet: anchors are sampled on the transformers "
-                    "generation path. Set use_anchors=False to train with the mixed ratio only, or drop that option."
+                    f"use_anchors=True is not supported with {what} yet: anchors are sampled on the transformers or "
+                    "vLLM generation path. Set use_anchors=False to train with the mixed ratio only, or drop that option."
                 )
 
     @staticmethod
@@ -236,12 +239,24 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if self._armor_inputs is None:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         rows, group_size = len(prompt_ids), num_generations
-        on_policy_ids, _ = super()._generate_single_turn(
+        on_policy_ids, on_policy_logprobs = super()._generate_single_turn(
             [prompt_ids[i] for i in policy_rows(rows, group_size)], images, multimodal_fields, group_size - 1
         )
         slots = anchor_rows(rows, group_size)
         anchor_ids = self._sample_anchors([prompt_ids[i] for i in slots], [self._armor_inputs[i] for i in slots])
-        return fill_groups(on_policy_ids, anchor_ids, group_size), None
+        logprobs = None
+        if on_policy_logprobs is not None:  # vLLM: anchors were not sampled by the policy engine
+            logprobs = fill_groups(on_policy_logprobs, neutral_sampling_logprobs(anchor_ids), group_size)
+        return fill_groups(on_policy_ids, anchor_ids, group_size), logprobs
+
+    def _reference_generation(self):
+        """Context in which TRL's generation path samples from π_ref."""
+        if self.use_vllm:
+            return reference_in_engine(self)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._reference_ready())
+        stack.enter_context(seam.generating_with(self, self.reference.model if self.reference.kind == "full" else None))
+        return stack
 
     def _sample_anchors(self, group_prompt_ids: list, group_inputs: list[dict]) -> list:
         """Return one anchor completion per group: from the cache, or the first verified of K reference candidates.
@@ -271,8 +286,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if sampled:
             candidate_prompt_ids = [group_prompt_ids[g] for g in sampled for _ in range(k)]
             candidate_inputs = [group_inputs[g] for g in sampled for _ in range(k)]
-            reference = self.reference.model if self.reference.kind == "full" else None
-            with self._reference_ready(), seam.generating_with(self, reference):
+            with self._reference_generation():
                 candidate_ids = seam.generate(self, candidate_prompt_ids, k)
             prompts = [row["prompt"] for row in candidate_inputs]
             completions = seam.decode(self, candidate_ids, seam.is_conversational_prompt(prompts[0]))
@@ -343,6 +357,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
             if self.args.anchor_filter == "drop":
                 keep &= found.repeat_interleave(group_size)
             output["advantages"] = output["advantages"] * keep
+            if "importance_sampling_ratio" in output:  # vLLM correction: anchors were sampled by π_ref, not the engine
+                output["importance_sampling_ratio"][slots] = 1.0
             output["completion_mask"] = completion_mask * keep.unsqueeze(1).to(completion_mask.dtype)
             loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()

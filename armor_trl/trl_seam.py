@@ -25,8 +25,9 @@ OVERRIDDEN = {
     "_save_checkpoint": ["model", "trial"],
     "_load_optimizer_and_scheduler": ["checkpoint"],
 }
-# private attributes read or written
-ATTRIBUTES = ("_metrics", "_pending_extra_logs", "_pending_metrics", "_tokenizer", "model_wrapped", "use_vllm")
+# private attributes read or written (the vLLM ones exist only with use_vllm=True)
+ATTRIBUTES = ("_metrics", "_pending_extra_logs", "_pending_metrics", "model_wrapped", "use_vllm")
+VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
 
 SUPPORTED_TRL = ">=1.16.0,<1.17"
 
@@ -43,6 +44,15 @@ def check_trl_surface() -> list[str]:
         if actual[: len(params)] != params:
             problems.append(f"GRPOTrainer.{name} takes {actual}, expected to start with {params}")
     return problems
+
+
+def engine_step(trainer: GRPOTrainer) -> int:
+    """The optimizer step whose policy weights TRL last pushed to vLLM (-1: must push before the next rollout)."""
+    return trainer._last_loaded_step
+
+
+def set_engine_step(trainer: GRPOTrainer, step: int) -> None:
+    trainer._last_loaded_step = step
 
 
 def log_metric(trainer: GRPOTrainer, name: str, value: float, mode: str = "train") -> None:

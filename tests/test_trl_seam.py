@@ -16,3 +16,11 @@ def test_private_surface_we_rely_on_still_exists():
 def test_surface_check_detects_a_missing_method(monkeypatch):
     monkeypatch.delattr(trl.GRPOTrainer, "_generate_single_turn")
     assert any("_generate_single_turn" in p for p in trl_seam.check_trl_surface())
+
+
+def test_private_attributes_we_touch_exist_on_a_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    from test_trainer import make_trainer
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
+    missing = [name for name in trl_seam.ATTRIBUTES if not hasattr(trainer, name)]
+    assert missing == []

@@ -1,0 +1,47 @@
+"""Anchors from the reference with TRL's vLLM engine (colocate or server): all vLLM-specific code of ARMOR.
+
+The engine serves one set of weights. To sample anchor candidates from π_ref, the reference's weights
+are pushed (for LoRA: merged with the "ref" adapter active), the candidates sampled, and the engine
+is marked stale so that TRL pushes the policy's weights again before the next policy rollout. When the
+reference equals the policy (right after a reset, or at the start of a run from the same weights) no
+swap is needed. Anchors are never reweighted by vLLM's importance-sampling correction: their sampling
+log-probs are NaN, which TRL neutralises, and the trainer sets their ratio to 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from . import trl_seam as seam
+
+
+@contextlib.contextmanager
+def reference_in_engine(trainer):
+    """Within the block, ``trainer.vllm_generation`` samples from the reference policy."""
+    reference, engine = trainer.reference, trainer.vllm_generation
+    step = trainer.state.global_step
+    if reference.equals_policy_at(step):
+        # The engine may still hold older policy weights: bring it to the current ones, which are π_ref's too.
+        if seam.engine_step(trainer) != step:
+            engine.sync_weights()
+            seam.set_engine_step(trainer, step)
+        yield
+        return
+    policy_model = engine.model
+    try:
+        if reference.kind == "full":
+            engine.model = trainer.accelerator.unwrap_model(reference.model)
+            engine.sync_weights()
+        else:
+            with reference.active(trainer.accelerator.unwrap_model(trainer.model)):
+                engine.sync_weights()
+        seam.set_engine_step(trainer, step)  # keep TRL's generation path from pushing the policy inside the block
+        yield
+    finally:
+        engine.model = policy_model
+        seam.set_engine_step(trainer, -1)  # the engine holds π_ref: TRL pushes the policy before its next rollout
+
+
+def neutral_sampling_logprobs(completion_ids: list[list[int]]) -> list[list[float]]:
+    """Sampling log-probs for rows the policy engine did not sample: NaN, which TRL treats as 'no correction'."""
+    return [[float("nan")] * len(ids) for ids in completion_ids]

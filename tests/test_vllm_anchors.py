@@ -1,0 +1,84 @@
+"""Anchors with vLLM generation: the engine serves π_ref for candidates and the policy for rollouts.
+
+vLLM cannot be installed on CPU machines, so the engine is a fake with VLLMGeneration's interface
+(``model``, ``sync_weights()``, ``generate()``); the real engine runs in ``test_vllm_gpu.py``.
+"""
+
+import torch
+from peft import LoraConfig
+
+from test_trainer import capture_rounds, logged, make_trainer
+
+
+class FakeEngine:
+    """Records which weights it holds (policy / reference) at every sync and generation."""
+
+    def __init__(self, trainer, digits_token_ids):
+        self.trainer = trainer
+        self.model = trainer.model
+        self.loaded = "policy-initial"
+        self.generated_with = []
+        self.digits = digits_token_ids
+
+    def sync_weights(self):
+        model = self.model
+        if model is not self.trainer.model:
+            self.loaded = "reference"
+        elif hasattr(model, "active_adapter") and model.active_adapter == "ref":
+            self.loaded = "reference"
+        else:
+            self.loaded = f"policy@{self.trainer.state.global_step}"
+
+    def generate(self, prompts, images, num_generations, profiler):
+        self.generated_with.append((self.loaded, len(prompts)))
+        gen = torch.Generator().manual_seed(len(self.generated_with))
+        completions = [self.digits[torch.randint(len(self.digits), (3,), generator=gen)].tolist() for _ in prompts]
+        logprobs = [[[-0.5] for _ in ids] for ids in completions]
+        return prompts, completions, logprobs, None
+
+
+def with_fake_vllm(trainer, tokenizer):
+    digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
+    engine = FakeEngine(trainer, digits)
+    trainer.use_vllm = True
+    trainer.vllm_generation = engine
+    trainer._last_loaded_step = -1
+    trainer.vllm_importance_sampling_correction = True
+    return engine
+
+
+def test_candidates_come_from_reference_weights_and_policy_is_restored(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, anchor_num_samples=2)
+    engine = with_fake_vllm(trainer, tiny_tokenizer)
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    # round 1: π_ref == π_θ (a copy of the initial policy): no swap; rounds 2-3: candidates from π_ref,
+    # and the policy is pushed again before every policy rollout
+    assert engine.generated_with == [
+        ("policy@0", 6), ("policy@0", 4),
+        ("policy@1", 6), ("reference", 4),
+        ("policy@2", 6), ("reference", 4),
+    ]
+    assert logged(trainer, "armor/anchor_found_frac") == [1.0, 1.0, 1.0]
+    for out in rounds:
+        slots = [3, 7]
+        assert torch.equal(out["importance_sampling_ratio"][slots], torch.ones_like(out["importance_sampling_ratio"][slots]))
+        assert torch.isnan(out["sampling_per_token_logps"][slots][:, :3]).all()  # not the policy engine's samples
+
+
+def test_no_swap_right_after_a_reset(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, ref_reset_steps=1, anchor_num_samples=2)
+    engine = with_fake_vllm(trainer, tiny_tokenizer)
+    trainer.train()
+    assert [loaded for loaded, _ in engine.generated_with] == ["policy@0"] * 2 + ["policy@1"] * 2 + ["policy@2"] * 2
+
+
+def test_lora_reference_is_pushed_with_the_ref_adapter_active(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2, anchor_num_samples=2,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    engine = with_fake_vllm(trainer, tiny_tokenizer)
+    trainer.train()
+    assert engine.generated_with[2:] == [("policy@1", 6), ("reference", 4)]
+    assert trainer.model.active_adapter == "default"  # the trained adapter is active again
