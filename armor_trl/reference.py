@@ -104,13 +104,15 @@ class ReferencePolicy:
             marker, ref_marker = f".{self.trained_adapter}.", f".{REF_ADAPTER}."
             pairs = [(params[name.replace(marker, ref_marker)], p) for name, p in params.items() if marker in name]
         else:
-            ref_params = dict(self.model.named_parameters())
+            # A DeepSpeed engine (ZeRO) names its parameters "module.…": compare the wrapped modules
+            ref_params = dict(getattr(self.model, "module", self.model).named_parameters())
             pol_params = dict(policy.named_parameters())
             if ref_params.keys() != pol_params.keys():
-                missing = sorted(set(pol_params) ^ set(ref_params))[:5]
+                only_ref = sorted(set(ref_params) - set(pol_params))[:3]
+                only_policy = sorted(set(pol_params) - set(ref_params))[:3]
                 raise ValueError(
-                    "Cannot reset the reference: its parameters do not match the policy's "
-                    f"(first differing names: {missing}). ref_model must have the policy's architecture."
+                    "The reference's parameters do not match the policy's (only in the reference: "
+                    f"{only_ref}; only in the policy: {only_policy}). ref_model must have the policy's architecture."
                 )
             pairs = [(ref_params[name], p) for name, p in pol_params.items()]
         if not pairs:

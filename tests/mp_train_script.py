@@ -189,6 +189,28 @@ class StepRecorder(TrainerCallback):
         return control
 
 
+def read_checkpoints(output_dir: str) -> dict:
+    """What ARMOR wrote beside each checkpoint: its state file and a checksum of the saved reference weights."""
+    from armor_trl.reference import REF_WEIGHTS_FILE, STATE_FILE
+
+    found = {}
+    if not os.path.isdir(output_dir):
+        return found
+    for name in sorted(os.listdir(output_dir)):
+        directory = os.path.join(output_dir, name)
+        if not name.startswith("checkpoint-"):
+            continue
+        entry = {"files": sorted(os.listdir(directory))}
+        if os.path.exists(os.path.join(directory, STATE_FILE)):
+            with open(os.path.join(directory, STATE_FILE)) as f:
+                entry["state"] = json.load(f)
+        if os.path.exists(os.path.join(directory, REF_WEIGHTS_FILE)):
+            tensors = torch.load(os.path.join(directory, REF_WEIGHTS_FILE), map_location="cpu")
+            entry["reference_checksum"] = checksum({str(k): v.float() for k, v in tensors.items()})
+        found[name] = entry
+    return found
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -202,6 +224,8 @@ def parse_args(argv=None):
     parser.add_argument("--ddp_backend", default=None)
     parser.add_argument("--no_cpu", action="store_true", help="use_cpu=False (needed for DeepSpeed on a CPU host)")
     parser.add_argument("--learning_rate", type=float, default=1e-2)
+    parser.add_argument("--save_steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    parser.add_argument("--resume_from", default=None, help="a checkpoint directory to resume from")
     return parser.parse_args(argv)
 
 
@@ -222,7 +246,8 @@ def main(argv=None):
         gradient_checkpointing=False,
         report_to="none",
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if cli.save_steps else "no",
+        save_steps=cli.save_steps or 500,
         seed=42,
         disable_tqdm=True,
         ref_reset_steps=cli.ref_reset_steps,
@@ -243,7 +268,7 @@ def main(argv=None):
 
     initial = {k: v.float() for k, v in load_file(os.path.join(cli.model, "model.safetensors")).items()}
     reference_at_start = strip_module(full_params(trainer.reference.model))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=cli.resume_from)
 
     policy = full_params(trainer.accelerator.unwrap_model(trainer.model_wrapped))
     reference = strip_module(full_params(trainer.reference.model))
@@ -268,6 +293,7 @@ def main(argv=None):
             "resets": trainer.reference.resets,
         },
         "log_history": trainer.state.log_history,
+        "checkpoints": read_checkpoints(args.output_dir),
         "seconds": time.time() - started,
     }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:

@@ -12,11 +12,14 @@ what it saw; the assertions read those files:
 * resets: ``armor/ref_resets`` counts them, the reference equals the policy right after each reset (ZeRO-3
   shards gathered to compare) and differs from it in between, and the reverse KL logged at the step after a
   reset is zero;
+* checkpoints carry the reference as it was at that step, and a multi-process run resumed from one continues
+  exactly like the uninterrupted run (DDP and ZeRO-3);
 * with the same seed the three backends draw the same samples, so their metrics and weights must agree;
   a single-process run of the same global batch must log the same metrics and reset on the same schedule.
 
 Run them with ``pytest -m slow tests/test_multiprocess.py`` (the DeepSpeed tests need ``pip install deepspeed``;
-its first launch on a machine compiles a small CPU communication op, about 30 s).
+its first launch on a machine compiles a small CPU communication op, about 30 s). The ZeRO-3 + CPU offload run is
+opt-in (``ARMOR_TEST_ZERO3_OFFLOAD=1``): its first launch also compiles DeepSpeed's CPU Adam, which takes minutes.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ ACCELERATE_CONFIGS = REPO / "configs" / "accelerate"
 NUM_PROCESSES = 2
 MAX_STEPS = 3
 RESET_STEPS = 2
+SAVE_STEPS = 2  # checkpoints at steps 2 (right after the reset) and 3
 # Two reference candidates per group: some groups find no verified anchor, so the empty-slot path is exercised.
 COMMON_ARGS = ["--max_steps", str(MAX_STEPS), "--ref_reset_steps", str(RESET_STEPS), "--anchor_num_samples", "2"]
+SAVING = ["--save_steps", str(SAVE_STEPS)]
 LAUNCH_TIMEOUT = 420  # generous for a shared 2-core machine; a healthy run takes 20-60 s
 TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 # Metrics that differ between a 1-process and a 2-process run of the same global batch only through sampling.
@@ -195,6 +200,12 @@ def check_run(ranks: list[dict], processes: int, distributed_type: str) -> None:
             else:
                 assert record["ref_policy_max_diff"] > 0.0, f"rank {r['rank']}: reference followed the policy"
         assert r["final"]["resets"] == MAX_STEPS // RESET_STEPS
+    for r in ranks:  # checkpoints carry the reference as it was at that step (ZeRO-3: gathered from the shards)
+        for name, saved in r["checkpoints"].items():
+            step = int(name.split("-")[1])
+            record = r["steps"][step - 1]
+            assert saved.get("state", {}).get("resets") == step // RESET_STEPS, (name, saved)
+            assert _close(saved.get("reference_checksum"), record["reference_checksum"], rel=1e-9), (name, saved)
     for entry in logged:
         assert entry["armor/ref_resets"] == (entry["step"] - 1) // RESET_STEPS  # logged before the step's update
         if (entry["step"] - 1) % RESET_STEPS == 0:  # the reference equals the policy that generated this round
@@ -217,10 +228,48 @@ def check_same_run(ranks: list[dict], baseline: list[dict], what: str) -> None:
         assert _close(r["final"]["reference_checksum"], b["final"]["reference_checksum"], rel=1e-6)
 
 
+def check_resumed(resumed: list[dict], full: list[dict], from_step: int, what: str) -> None:
+    """A run resumed from checkpoint-``from_step`` continues exactly like the uninterrupted run."""
+    for r, f in zip(resumed, full, strict=True):
+        assert [round_["step"] for round_ in r["rounds"]] == list(range(from_step + 1, MAX_STEPS + 1))
+        for mine, theirs in zip(r["rounds"], f["rounds"][from_step:], strict=True):
+            for key in ("group_prompts", "found", "rollout_rewards", "is_anchor"):
+                assert mine[key] == theirs[key], f"{what}: rank {r['rank']} step {mine['step']} {key} differs"
+        for mine, theirs in zip(r["steps"], f["steps"][from_step:], strict=True):
+            assert mine["resets"] == theirs["resets"], f"{what}: the resumed run lost the reset count"
+            for key in ("reference_checksum", "policy_checksum"):
+                assert _close(mine[key], theirs[key], rel=1e-9), f"{what}: step {mine['step']} {key} differs"
+        assert r["final"]["resets"] == f["final"]["resets"]
+        assert _close(r["final"]["policy_checksum"], f["final"]["policy_checksum"], rel=1e-9)
+        assert _close(r["final"]["reference_checksum"], f["final"]["reference_checksum"], rel=1e-9)
+        logged = {e["step"]: e for e in r["log_history"] if "loss" in e}
+        for entry in f["log_history"]:
+            if "loss" in entry and entry["step"] > from_step:
+                for key, value in entry.items():
+                    if key not in TIMING_KEYS and isinstance(value, (int, float)):
+                        assert _close(logged[entry["step"]].get(key), value, rel=1e-5), f"{what}: {key}"
+
+
 # --- fixtures: one run per backend, shared by the tests of this module --------------------------------------------
 @pytest.fixture(scope="module")
-def ddp_run(tiny_model_path, tmp_path_factory):
-    return run_torchrun(tiny_model_path, tmp_path_factory.mktemp("ddp"))
+def ddp_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ddp")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_model_path, ddp_dir):
+    return run_torchrun(tiny_model_path, ddp_dir, *SAVING)
+
+
+@pytest.fixture(scope="module")
+def zero3_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero3")
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tiny_model_path, zero3_dir):
+    pytest.importorskip("deepspeed")
+    return run_accelerate("zero3.yaml", tiny_model_path, zero3_dir, *SAVING)
 
 
 @pytest.fixture(scope="module")
@@ -252,21 +301,46 @@ def test_single_process_matches_ddp_structure(single_run, ddp_run):
 
 
 @pytest.mark.slow
+def test_ddp_resume_matches_uninterrupted(tiny_model_path, tmp_path, ddp_dir, ddp_run):
+    checkpoint = ddp_dir / "trainer" / f"checkpoint-{SAVE_STEPS}"
+    resumed = run_torchrun(tiny_model_path, tmp_path, "--resume_from", str(checkpoint))
+    check_resumed(resumed, ddp_run, SAVE_STEPS, "DDP resume")
+
+
+@pytest.mark.slow
 def test_deepspeed_zero2(tiny_model_path, tmp_path, ddp_run):
     pytest.importorskip("deepspeed")
-    ranks = run_accelerate("zero2.yaml", tiny_model_path, tmp_path)
+    ranks = run_accelerate("zero2.yaml", tiny_model_path, tmp_path, *SAVING)
     check_run(ranks, NUM_PROCESSES, "DEEPSPEED")
     assert all(r["deepspeed_stage"] == 2 and not r["reference_sharded"] for r in ranks)
     check_same_run(ranks, ddp_run, "ZeRO-2 vs DDP")
 
 
 @pytest.mark.slow
-def test_deepspeed_zero3(tiny_model_path, tmp_path, ddp_run):
+def test_deepspeed_zero3(zero3_run, ddp_run):
+    check_run(zero3_run, NUM_PROCESSES, "DEEPSPEED")
+    assert all(r["deepspeed_stage"] == 3 and r["reference_sharded"] for r in zero3_run), "ZeRO-3 should shard π_ref"
+    check_same_run(zero3_run, ddp_run, "ZeRO-3 vs DDP")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("ARMOR_TEST_ZERO3_OFFLOAD"),
+    reason="opt-in (ARMOR_TEST_ZERO3_OFFLOAD=1): the first run on a machine compiles DeepSpeed's CPU Adam (minutes)",
+)
+def test_deepspeed_zero3_offload(tiny_model_path, tmp_path, ddp_run):
     pytest.importorskip("deepspeed")
-    ranks = run_accelerate("zero3.yaml", tiny_model_path, tmp_path)
+    ranks = run_accelerate("zero3_offload.yaml", tiny_model_path, tmp_path, *SAVING)
     check_run(ranks, NUM_PROCESSES, "DEEPSPEED")
-    assert all(r["deepspeed_stage"] == 3 and r["reference_sharded"] for r in ranks), "ZeRO-3 should shard π_ref"
-    check_same_run(ranks, ddp_run, "ZeRO-3 vs DDP")
+    assert all(r["deepspeed_stage"] == 3 and r["reference_sharded"] for r in ranks)
+    check_same_run(ranks, ddp_run, "ZeRO-3 offload vs DDP")
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_resume_matches_uninterrupted(tiny_model_path, tmp_path, zero3_dir, zero3_run):
+    checkpoint = zero3_dir / "trainer" / f"checkpoint-{SAVE_STEPS}"
+    resumed = run_accelerate("zero3.yaml", tiny_model_path, tmp_path, "--resume_from", str(checkpoint))
+    check_resumed(resumed, zero3_run, SAVE_STEPS, "ZeRO-3 resume")
 
 
 def test_accelerate_configs_are_valid():
