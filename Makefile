@@ -12,13 +12,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned, so that nothing resolves a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,distributed]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m pytest -q tests
+
+# ARMOR vs GRPO step time / time split / peak RSS on the tiny model (a few minutes on 2 cores);
+# writes results/bench/bench.json and bench.md. BENCH_ARGS=--smoke for a quick structural run.
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+
+# The offline CPU demo (GRPO vs GRPO+KL vs ARMOR on a tiny model, a few minutes); results in results/demo/run-*/.
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/armor-trl demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache

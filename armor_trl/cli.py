@@ -112,15 +112,14 @@ def armor_only_fields() -> list[str]:
 # --- parsing ---------------------------------------------------------------------------------------------------
 def _cli_value(argv: list[str], name: str) -> str | None:
     for i, arg in enumerate(argv):
-        if arg == f"--{name}" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(f"--{name}="):
-            return arg.split("=", 1)[1]
+        flag, _, value = arg.partition("=")
+        if flag.startswith("--") and flag[2:].replace("-", "_") == name:
+            return value if value else (argv[i + 1] if i + 1 < len(argv) else None)
     return None
 
 
 def _flags(strings: list[str]) -> list[str]:
-    return [s[2:].split("=", 1)[0] for s in strings if s.startswith("--")]
+    return [s[2:].split("=", 1)[0].replace("-", "_") for s in strings if s.startswith("--")]
 
 
 def _recipe(argv: list[str]) -> dict:
@@ -361,6 +360,7 @@ def train_main(argv: list[str]) -> int:
 
 
 def eval_main(argv: list[str]) -> int:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import TrlParser
 
@@ -379,8 +379,8 @@ def eval_main(argv: list[str]) -> int:
         return 2
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
-    if __import__("torch").cuda.is_available():
-        model = model.cuda()
+    if torch.cuda.is_available():
+        model = model.to("cuda")
     result = evaluate(model, tokenizer, dataset, verifier, k=args.k, num_samples=args.num_samples,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                       batch_size=args.batch_size, seed=args.seed)

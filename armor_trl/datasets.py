@@ -14,7 +14,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, Features, Value, load_dataset
 
 # Instruction appended to math problems when ``instruction="default"``.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -146,12 +146,15 @@ def load_rlvr_dataset(
         mapped = adapter(row)
         return {"prompt": format_prompt(mapped["problem"], chat, system_prompt, instruction), "answer": mapped["answer"]}
 
-    keep = {"solution"} & set(raw.column_names)
-    return raw.map(convert, remove_columns=[c for c in raw.column_names if c not in keep])
+    keep = [c for c in ("solution",) if c in raw.column_names]
+    text = Value("string")
+    features = Features({"prompt": [{"role": text, "content": text}] if chat else text, "answer": text,
+                         **{c: raw.features[c] for c in keep}})
+    return raw.map(convert, remove_columns=[c for c in raw.column_names if c not in keep], features=features)
 
 
 # --- the synthetic task ------------------------------------------------------------------------------------------
-def arithmetic_problems(n: int, seed: int = 0, digits: int = 2, exclude: set[str] | None = None) -> list[tuple[str, str]]:
+def arithmetic_problems(n: int, seed: int | str = 0, digits: int = 2, exclude: set[str] | None = None) -> list[tuple[str, str]]:
     """``n`` distinct problems ``"a+b="`` → ``"a+b"`` with ``digits``-digit operands, deterministic for ``seed``."""
     rng = random.Random(seed)
     low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
@@ -170,12 +173,17 @@ def arithmetic_problems(n: int, seed: int = 0, digits: int = 2, exclude: set[str
 def arithmetic_splits(
     train_size: int, eval_size: int, seed: int = 0, digits: int = 2, chat: bool = False, system_prompt: str | None = None
 ) -> tuple[Dataset, Dataset]:
-    """Disjoint train and held-out sets of the synthetic addition task, as ``prompt``/``answer`` datasets."""
-    problems = arithmetic_problems(train_size + eval_size, seed, digits)
+    """Disjoint train and held-out sets of the synthetic addition task, as ``prompt``/``answer`` datasets.
+
+    The held-out set depends only on (``eval_size``, ``seed``, ``digits``): changing the training set's size
+    keeps the same held-out problems (and a larger training set extends a smaller one).
+    """
+    held_out = arithmetic_problems(eval_size, seed, digits)
+    train = arithmetic_problems(train_size, f"{seed}-train", digits, exclude={p for p, _ in held_out})
 
     def to_dataset(rows):
         return Dataset.from_dict(
             {"prompt": [format_prompt(p, chat, system_prompt) for p, _ in rows], "answer": [a for _, a in rows]}
         )
 
-    return to_dataset(problems[:train_size]), to_dataset(problems[train_size:])
+    return to_dataset(train), to_dataset(held_out)

@@ -22,6 +22,7 @@ import random
 import shutil
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import yaml
@@ -56,30 +57,42 @@ def fresh_run_dir(output_dir: str, smoke: bool) -> Path:
     raise FileExistsError(f"Could not create a fresh run folder in {output_dir}.")
 
 
-def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> str:
-    """The warm-started tiny model: built and trained once (supervised, on addition problems disjoint from the
-    recipe's RL and held-out problems), then cached under ``cache_dir`` by a hash of everything that shapes it."""
+def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> tuple[str, dict]:
+    """The warm-started tiny model and a record of its warm-up, built once and cached under ``cache_dir`` by a hash
+    of everything that shapes it.
+
+    Supervised training on addition problems disjoint from the recipe's RL and held-out problems, stopped as soon
+    as the sampled accuracy on a separate calibration set reaches ``warmup.target_accuracy`` (checked every
+    ``warmup.check_every`` steps; at most ``warmup.steps``). Stopping on accuracy rather than after a fixed
+    number of steps keeps the start point of RL comparable: this task is learnt in a sudden jump whose timing
+    varies with every detail.
+    """
     import torch
+    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .datasets import arithmetic_problems
+    from .datasets import arithmetic_problems, arithmetic_splits
+    from .evaluation import evaluate
+    from .rewards import exact_integer_reward
     from .tiny import build_tiny_model
 
+    warm = settings["warmup"]
     task = {k: recipe[k] for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
                                    "arithmetic_seed")}
-    key = json.dumps({"model": settings["tiny_model"], "warmup": settings["warmup"], "task": task}, sort_keys=True)
+    key = json.dumps({"model": settings["tiny_model"], "warmup": warm, "task": task}, sort_keys=True)
     path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-    if (path / "config.json").is_file():
+    if (path / "warmup.json").is_file():
         if progress is not None:
-            progress.update(settings["warmup"]["steps"])
-        return str(path)
-    warm = settings["warmup"]
-    from .datasets import arithmetic_splits
+            progress.set_description_str("warm-up: cached")
+        return str(path), json.loads((path / "warmup.json").read_text())
 
     rl_train, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],
                                            task["arithmetic_seed"], task["arithmetic_digits"])
     reserved = set(rl_train["prompt"]) | set(held_out["prompt"])
-    problems = arithmetic_problems(warm["num_problems"], warm["seed"], task["arithmetic_digits"], exclude=reserved)
+    problems = arithmetic_problems(warm["num_problems"] + warm["calibration_size"], warm["seed"],
+                                   task["arithmetic_digits"], exclude=reserved)
+    problems, calibration = problems[: warm["num_problems"]], problems[warm["num_problems"]:]
+    calibration = Dataset.from_dict({"prompt": [p for p, _ in calibration], "answer": [a for _, a in calibration]})
 
     tmp = cache_dir / f"{path.name}.tmp-{os.getpid()}"
     build_tiny_model(tmp, **settings["tiny_model"])
@@ -93,8 +106,9 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
         prompt_ids = tokenizer(prompt)["input_ids"]
         answer_ids = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
         encoded.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
-    model.train()
-    for _ in range(warm["steps"]):
+    accuracy, step = 0.0, 0
+    while step < warm["steps"] and accuracy < warm["target_accuracy"]:
+        model.train()
         batch = [encoded[rng.randrange(len(encoded))] for _ in range(warm["batch_size"])]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
@@ -103,15 +117,24 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
         model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        step += 1
         if progress is not None:
             progress.update(1)
+        if step % warm["check_every"] == 0:
+            accuracy = evaluate(model, tokenizer, calibration, exact_integer_reward, k=4, max_new_tokens=5,
+                                batch_size=1024, seed=warm["seed"])["avg@4"]
+    if progress is not None:  # stopped at the target accuracy
+        progress.total = step
+        progress.refresh()
+    record = {"steps": step, "calibration_avg@4": accuracy, "target_accuracy": warm["target_accuracy"]}
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / "warmup.json").write_text(json.dumps(record))
     if path.exists():  # another process cached the same checkpoint meanwhile
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, path)
-    return str(path)
+    return str(path), record
 
 
 class _Progress(TrainerCallback):
@@ -223,8 +246,17 @@ def format_table(table: dict, seeds: int) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], path: Path, title: str) -> None:
-    """Training reward and validation accuracy vs step, one colour per method (mean ± std band over seeds)."""
+def _trailing_mean(values, window: int):
+    import numpy as np
+
+    sums = np.cumsum(np.insert(np.asarray(values, dtype=float), 0, 0.0))
+    counts = np.minimum(np.arange(1, len(values) + 1), window)
+    return (sums[1:] - sums[np.arange(1, len(values) + 1) - counts]) / counts
+
+
+def plot(runs: list[dict], path: Path, title: str, smooth: int = 5) -> None:
+    """Training reward (trailing mean over ``smooth`` logged points) and validation accuracy vs step, one colour
+    per method (mean ± std band over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -246,11 +278,13 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
             length = min(len(s) for s in series)
             steps = np.array([step for step, _ in series[0][:length]])
             values = np.array([[v for _, v in s[:length]] for s in series])
+            if ax is ax_train:  # per-step rewards are noisy (a few prompts per step): a trailing mean
+                values = np.stack([_trailing_mean(row, smooth) for row in values])
             mean, std = values.mean(axis=0), values.std(axis=0)
             ax.plot(steps, mean, color=color, label=LABELS[method])
             if len(series) > 1:
                 ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.2)
-    ax_train.set(title="training reward (on-policy samples)", xlabel="step", ylabel="reward")
+    ax_train.set(title=f"training reward (on-policy samples, mean of {smooth} logs)", xlabel="step", ylabel="reward")
     ax_val.set(title=f"held-out validation ({val_key.split('/')[-1]})", xlabel="step", ylabel="accuracy")
     for ax in (ax_train, ax_val):
         ax.grid(alpha=0.3)
@@ -272,7 +306,10 @@ def _quiet_single_thread():
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=FutureWarning)
+            warnings.simplefilter("ignore", category=UserWarning)
+            yield
     finally:
         torch.set_num_threads(threads)
         transformers.logging.set_verbosity(verbosity)
@@ -299,21 +336,26 @@ def run_demo(config: str | None = None, output_dir: str = "results/demo", seeds:
     run_dir = fresh_run_dir(output_dir, smoke)
     start = time.time()
     runs = []
-    with _quiet_single_thread(), tqdm(total=settings["warmup"]["steps"] + steps * len(METHOD_ARGS) * seeds,
-                                      desc="armor-trl demo", unit="step", dynamic_ncols=True) as bar:
-        bar.set_postfix_str("warm-up")
-        model_path = warm_start({**recipe, **overrides}, settings, Path(output_dir) / "cache", bar)
-        for seed in range(seed0, seed0 + seeds):
-            for method in METHOD_ARGS:
-                runs.append(train_run(config_path, method, seed, model_path, run_dir, overrides,
-                                      settings["kl_beta"], bar))
+    with _quiet_single_thread():
+        with tqdm(total=settings["warmup"]["steps"], desc="warm-up (supervised)", unit="step",
+                  dynamic_ncols=True) as bar:
+            model_path, warmup = warm_start({**recipe, **overrides}, settings, Path(output_dir) / "cache", bar)
+        with tqdm(total=steps * len(METHOD_ARGS) * seeds, desc="RL runs", unit="step", dynamic_ncols=True) as bar:
+            for seed in range(seed0, seed0 + seeds):
+                for method in METHOD_ARGS:
+                    runs.append(train_run(config_path, method, seed, model_path, run_dir, overrides,
+                                          settings["kl_beta"], bar))
     table = {m: aggregate([summarize_run(r) for r in runs if r["method"] == m]) for m in METHOD_ARGS}
     title = f"tiny demo: {steps} steps, {seeds} seed(s), KL β={settings['kl_beta']}"
     plot(runs, run_dir / "curves.png", title)
-    text = format_table(table, seeds)
+    text = format_table(table, seeds) + (
+        f"\n\nWarm start: {warmup['steps']} supervised steps, calibration avg@4 {warmup['calibration_avg@4']:.3f} "
+        f"(target {warmup['target_accuracy']}). Validation: avg@4 on {overrides.get('arithmetic_eval_size', recipe['arithmetic_eval_size'])} "
+        "held-out problems; training reward: on-policy samples (ARMOR: armor/policy_reward_mean)."
+    )
     total = time.time() - start
     with open(run_dir / "summary.json", "w") as f:
-        json.dump({"recipe": config_path, "warm_model": model_path, "seeds": seeds, "smoke": smoke,
+        json.dump({"recipe": config_path, "warm_model": model_path, "warmup": warmup, "seeds": seeds, "smoke": smoke,
                    "wall_time_s": total, "methods": table,
                    "runs": [{"method": r["method"], "seed": r["seed"], **summarize_run(r)} for r in runs]}, f, indent=2)
     (run_dir / "summary.md").write_text(f"# {title}\n\n{text}\n\nTotal wall time: {total:.0f} s\n")

@@ -210,10 +210,12 @@ class ValidationCallback(TrainerCallback):
             self._record(0, self._evaluate(state, model, processing_class), None)
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        due = state.global_step % self.every_steps == 0 or state.global_step == state.max_steps
-        if due and state.is_world_process_zero:
-            self._pending = self._evaluate(state, model, processing_class)
-            control.should_log = True  # log this step, so the values land at the step they were measured
+        if state.global_step % self.every_steps == 0 or state.global_step == state.max_steps:
+            # Log this step on every process (logging gathers the loss across processes), so the values land at
+            # the step they were measured.
+            control.should_log = True
+            if state.is_world_process_zero:
+                self._pending = self._evaluate(state, model, processing_class)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -328,7 +328,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
         rewards[empty] = float("nan")
         is_policy = torch.ones(rows, dtype=torch.bool, device=device)
         is_policy[anchor_rows(rows, self.num_generations)] = False
-        policy_rewards = (rewards * self.reward_weights.to(device)).sum(dim=1)[is_policy.repeat(len(rewards) // rows)]
+        # Like TRL's `reward`: weighted sum with None counted as 0; rows no function could score are left out.
+        total = (rewards * self.reward_weights.to(device)).nansum(dim=1)
+        total[torch.isnan(rewards).all(dim=1)] = float("nan")
+        policy_rewards = total[is_policy.repeat(len(rewards) // rows)]
         seam.log_metric(self, "armor/policy_reward_mean", torch.nanmean(policy_rewards).item())
         return rewards
 

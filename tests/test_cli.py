@@ -1,0 +1,187 @@
+"""The armor-trl command: recipe parsing (TRL's parser), dry runs, 2-step training for both methods, eval."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from trl import GRPOConfig
+
+from armor_trl import ArmorConfig
+from armor_trl.cli import describe_resets, main, parse_train_args, reset_schedule
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_RECIPE = REPO / "configs" / "tiny_demo.yaml"
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_model_path):
+    """A small recipe: the tiny model, a local JSONL dataset, a built-in and a dotted-path reward."""
+    rows = [{"prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(16)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "cli_test_rewards.py").write_text(
+        "def has_digit(completions, **kwargs):\n"
+        "    texts = [c if isinstance(c, str) else c[0]['content'] for c in completions]\n"
+        "    return [float(any(ch.isdigit() for ch in t)) for t in texts]\n"
+    )
+    config = {
+        "model_name_or_path": tiny_model_path,
+        "dataset_name": str(tmp_path / "train.jsonl"),
+        "eval_dataset_name": str(tmp_path / "train.jsonl"),
+        "max_eval_samples": 4,
+        "reward_funcs": ["cli_test_rewards:has_digit", "exact_integer"],
+        "reward_weights": [1.0, 0.0],
+        "val_every_steps": 1,
+        "val_k": 2,
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 6,
+        "max_steps": 2,
+        "learning_rate": 1e-2,
+        "use_cpu": True,
+        "bf16": False,
+        "activation_checkpointing": False,
+        "report_to": "none",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "seed": 42,
+        "anchor_num_samples": 2,
+        "anchor_filter": "keep",
+        "ref_reset_steps": 1,
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # dotted-path rewards next to the recipe are importable, as with `trl grpo`
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_parse_both_methods_from_one_recipe(recipe):
+    script, config, model, notes = parse_train_args(["--config", str(recipe)])
+    assert isinstance(config, ArmorConfig) and script.method == "armor" and notes == []
+    assert (config.anchor_num_samples, config.anchor_filter, config.ref_reset_steps) == (2, "keep", 1)
+    assert model.model_name_or_path and script.reward_funcs == ["cli_test_rewards:has_digit", "exact_integer"]
+
+    script, config, _, notes = parse_train_args(["--config", str(recipe), "--method", "grpo", "--beta", "0.04",
+                                                 "--learning_rate", "0.5"])
+    assert type(config) is GRPOConfig and script.method == "grpo"
+    assert config.beta == 0.04 and config.learning_rate == 0.5  # flags override the recipe
+    assert len(notes) == 1 and "anchor_num_samples" in notes[0] and "ref_reset_steps" in notes[0]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--method", "grpo", "--armor_alpha", "0.9"], "ArmorConfig-only"),
+        (["--method=grpo", "--ref-reset-steps", "4"], "ArmorConfig-only"),
+        (["--armor_alpha", "1.5"], "armor_alpha must lie in"),
+        (["--beta", "0.1"], "beta must be 0.0 with ARMOR"),
+        (["--per_device_train_batch_size", "6"], "must be divisible by num_generations"),
+        (["--no_such_flag", "1"], "Unknown arguments"),
+        (["--method", "ppo"], "method must be one of"),
+    ],
+)
+def test_bad_recipes_fail_clearly(recipe, extra, message, capsys):
+    assert main(["train", "--config", str(recipe), "--dry_run", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("armor-trl train: error:") and message in err
+
+
+def test_unknown_recipe_key_is_rejected(recipe, tmp_path, capsys):
+    config = yaml.safe_load(recipe.read_text())
+    config["learning_rte"] = 0.1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(bad), "--dry_run"]) == 2
+    assert "learning_rte" in capsys.readouterr().err
+
+
+def test_dry_run_summarizes_without_training(recipe, cwd, capsys):
+    assert main(["train", "--config", str(recipe), "--dry_run", "--ref_reset_steps", "2",
+                 "--ref_reset_every_step_until", "3", "--max_steps", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "Recipe OK" in out and "ArmorGRPOTrainer" in out
+    assert "8 per device x 1 steps per generation x 1 process(es) = 8 completions = 2 groups of 4" in out
+    assert "7 resets in 10 steps (1, 2, 3, 4, 6, 8, 10)" in out
+    assert not (cwd / "out").exists()  # nothing trained, nothing written
+
+
+def test_dry_run_checks_rewards_and_weights(recipe, cwd, capsys):
+    assert main(["train", "--config", str(recipe), "--dry_run", "--reward_funcs", "nope_reward"]) == 2
+    assert "Unknown reward function 'nope_reward'" in capsys.readouterr().err
+    assert main(["train", "--config", str(recipe), "--dry_run", "--reward_weights", "1.0"]) == 2
+    assert "reward_weights has 1 entries but there are 2 reward functions" in capsys.readouterr().err
+
+
+def test_reset_schedule():
+    assert reset_schedule(10, None, None) == []
+    assert reset_schedule(10, 4, None) == [4, 8]
+    assert reset_schedule(10, None, 3) == [1, 2, 3]
+    assert describe_resets(10, None, None) == "static reference (never reset)"
+
+
+@pytest.mark.parametrize("method", ["armor", "grpo"])
+def test_train_two_steps_from_yaml(recipe, cwd, method, capsys):
+    assert main(["train", "--config", str(recipe), "--method", method]) == 0
+    out = cwd / "out"
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    records = [json.loads(line) for line in (out / "val_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(0.0 <= r["val/avg@2"] <= 1.0 for r in records)
+    if method == "grpo":
+        assert "ignores the ArmorConfig-only recipe key(s)" in capsys.readouterr().err
+
+
+def test_eval_command(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", tiny_model_path, "--dataset", "arithmetic", "--arithmetic_eval_size", "6",
+                 "--k", "2", "--num_samples", "3", "--max_new_tokens", "4", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_problems"] == 6 and 0.0 <= result["avg@3"] <= result["pass@2"] <= 1.0
+    assert "avg@3 =" in capsys.readouterr().out
+    assert main(["eval", "--dataset", "arithmetic"]) == 2
+
+
+def test_usage_and_module_entry_point():
+    assert main([]) == 2 and main(["--help"]) == 0 and main(["frobnicate"]) == 2
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "armor_trl", "--help"], capture_output=True, text=True, env=env,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 0 and "armor-trl {train,eval,demo}" in result.stdout
+
+
+def test_the_demo_recipe_is_a_valid_train_recipe(tiny_model_path, capsys):
+    for method in ("armor", "grpo"):
+        assert main(["train", "--config", str(DEMO_RECIPE), "--model_name_or_path", tiny_model_path,
+                     "--method", method, "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert "train dataset: arithmetic, 64 rows" in out and "static reference" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["armor", "grpo"])
+def test_train_under_accelerate_launch_two_processes(recipe, tmp_path, method):
+    """`accelerate launch -m armor_trl train` with 2 CPU processes, validating every step (main process only)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "armor_trl", "train", "--config", str(recipe), "--method", method,
+               "--per_device_train_batch_size", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "val_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]  # written once (by the main process), for every step
+    assert (tmp_path / "out" / "model.safetensors").is_file()
