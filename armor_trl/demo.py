@@ -2,8 +2,9 @@
 
 1. Build the tiny character-level Llama (:mod:`armor_trl.tiny`) and warm it up with a short supervised phase on
    2-digit addition (``12+35=`` → ``47``); the warm checkpoint is cached under ``<output_dir>/cache``.
-2. From that checkpoint, with the same seed and steps, run the recipe (``configs/tiny_demo.yaml``) three times:
-   ``grpo`` (trl.GRPOTrainer, β = 0), ``grpo_kl`` (trl.GRPOTrainer, β = ``demo.kl_beta``) and ``armor``
+2. From that checkpoint, with the same seed and steps, run the recipe (``configs/tiny_demo.yaml``) four times:
+   ``grpo`` (trl.GRPOTrainer, β = 0), ``grpo_kl`` (trl.GRPOTrainer, β = ``demo.kl_beta``), the control
+   ``grpo_small_lr`` (β = 0 at the learning rate × (G−1)/G) and ``armor``
    (ArmorGRPOTrainer), each validated on held-out problems by :class:`~armor_trl.evaluation.ValidationCallback`.
 3. Write ``metrics/<run>.jsonl`` (every logged step), ``curves.png`` (training reward and validation accuracy
    vs step), ``summary.json`` and ``summary.md`` to a fresh run folder, and print the summary table.
@@ -149,12 +150,19 @@ class _Progress(TrainerCallback):
 
 
 # --- one run ---------------------------------------------------------------------------------------------------
+# Each method's command-line flags on top of the recipe, from the demo settings and the recipe.
+# grpo_small_lr is a control: ARMOR's mixed ratio scales on-policy gradients by about α = (G−1)/G, so plain GRPO
+# at α × the learning rate separates "smaller steps" from what the anchor and the mixture do.
 METHOD_ARGS = {
-    "grpo": lambda kl: ["--method", "grpo", "--beta", "0.0"],
-    "grpo_kl": lambda kl: ["--method", "grpo", "--beta", str(kl)],
-    "armor": lambda kl: ["--method", "armor"],
+    "grpo": lambda kl, recipe: ["--method", "grpo", "--beta", "0.0"],
+    "grpo_kl": lambda kl, recipe: ["--method", "grpo", "--beta", str(kl)],
+    "grpo_small_lr": lambda kl, recipe: [
+        "--method", "grpo", "--beta", "0.0",
+        "--learning_rate", str(recipe["learning_rate"] * (recipe["num_generations"] - 1) / recipe["num_generations"]),
+    ],
+    "armor": lambda kl, recipe: ["--method", "armor"],
 }
-LABELS = {"grpo": "GRPO (β=0)", "grpo_kl": "GRPO + KL", "armor": "ARMOR"}
+LABELS = {"grpo": "GRPO (β=0)", "grpo_kl": "GRPO + KL", "grpo_small_lr": "GRPO, lr × (G−1)/G", "armor": "ARMOR"}
 
 
 def _override_args(overrides: dict) -> list[str]:
@@ -165,14 +173,14 @@ def _override_args(overrides: dict) -> list[str]:
 
 
 def train_run(config_path: str, method: str, seed: int, model_path: str, run_dir: Path, overrides: dict,
-              kl_beta: float, bar) -> dict:
+              kl_beta: float, bar, recipe: dict) -> dict:
     """Train one method from the recipe; return its logged history, validation records and wall time."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from .cli import build_trainer, parse_train_args
 
     name = f"{method}-seed{seed}"
-    argv = ["--config", config_path, *METHOD_ARGS[method](kl_beta), "--model_name_or_path", model_path,
+    argv = ["--config", config_path, *METHOD_ARGS[method](kl_beta, recipe), "--model_name_or_path", model_path,
             "--seed", str(seed), "--output_dir", str(run_dir / "runs" / name), *_override_args(overrides)]
     script_args, training_args, model_args, _ = parse_train_args(argv)
     start = time.time()
@@ -264,7 +272,7 @@ def plot(runs: list[dict], path: Path, title: str, smooth: int = 5) -> None:
     import numpy as np
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for color, method in zip(("tab:red", "tab:orange", "tab:blue"), LABELS):
+    for color, method in zip(("tab:red", "tab:orange", "tab:gray", "tab:blue"), LABELS):
         method_runs = [r for r in runs if r["method"] == method]
         if not method_runs:
             continue
@@ -344,7 +352,7 @@ def run_demo(config: str | None = None, output_dir: str = "results/demo", seeds:
             for seed in range(seed0, seed0 + seeds):
                 for method in METHOD_ARGS:
                     runs.append(train_run(config_path, method, seed, model_path, run_dir, overrides,
-                                          settings["kl_beta"], bar))
+                                          settings["kl_beta"], bar, recipe))
     table = {m: aggregate([summarize_run(r) for r in runs if r["method"] == m]) for m in METHOD_ARGS}
     title = f"tiny demo: {steps} steps, {seeds} seed(s), KL β={settings['kl_beta']}"
     plot(runs, run_dir / "curves.png", title)

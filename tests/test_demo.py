@@ -24,18 +24,22 @@ def test_smoke_demo_writes_results_deterministically(tmp_path, capsys, monkeypat
     first = capsys.readouterr().out
     (run_dir,) = tmp_path.glob("run-*")
     assert sorted(p.name for p in (run_dir / "metrics").iterdir()) == [
-        "armor-seed0.jsonl", "grpo-seed0.jsonl", "grpo_kl-seed0.jsonl"]
+        "armor-seed0.jsonl", "grpo-seed0.jsonl", "grpo_kl-seed0.jsonl", "grpo_small_lr-seed0.jsonl"]
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["smoke"] and set(summary["methods"]) == {"grpo", "grpo_kl", "armor"}
+    assert summary["smoke"] and set(summary["methods"]) == {"grpo", "grpo_kl", "grpo_small_lr", "armor"}
     assert summary["methods"]["armor"]["anchors_found"] is not None and summary["methods"]["grpo"]["anchors_found"] is None
-    for line in ("| method | start val | peak val", "| GRPO (β=0) |", "| GRPO + KL |", "| ARMOR |"):
+    for line in ("| method | start val | peak val", "| GRPO (β=0) |", "| GRPO + KL |", "| GRPO, lr × (G−1)/G |", "| ARMOR |"):
         assert line in first
     armor = _records(run_dir / "metrics" / "armor-seed0.jsonl")
     assert armor[0]["step"] == 0 and "val/avg@4" in armor[0]  # the warm checkpoint's validation
     assert any("armor/anchor_found_frac" in r for r in armor) and any("val/pass@4" in r for r in armor[1:])
     kl = _records(run_dir / "metrics" / "grpo_kl-seed0.jsonl")
     assert any("kl" in r for r in kl)  # the KL baseline really trains with beta > 0
+    small = _records(run_dir / "metrics" / "grpo_small_lr-seed0.jsonl")
+    plain = _records(run_dir / "metrics" / "grpo-seed0.jsonl")
+    lr = lambda records: next(r["learning_rate"] for r in records if "learning_rate" in r)  # noqa: E731
+    assert lr(small) == pytest.approx(lr(plain) * 7 / 8)  # the control runs at α × the learning rate
 
     # A second run: the warm checkpoint comes from the cache, results go to a new folder, numbers are identical.
     import armor_trl.tiny
