@@ -60,6 +60,10 @@ class AnchorCache:
     A verified anchor is a sample of π_ref conditioned on R = 1; while π_ref is unchanged it stays one,
     so a prompt that already has one needs no new candidates. ``reference_version`` (the reset count)
     invalidates everything on a reset. Bounded: least recently used entries go first.
+
+    Optionally it also remembers *failures*: prompts whose K candidates were all unverified, with one
+    of those candidates to fill the slot. A remembered failure is skipped for ``retry_every − 1``
+    visits, then sampled again.
     """
 
     def __init__(self, max_entries: int):
@@ -68,6 +72,7 @@ class AnchorCache:
         self.max_entries = max_entries
         self.reference_version = 0
         self._entries: "OrderedDict[tuple, tuple[list[int], float]]" = OrderedDict()
+        self._failures: "OrderedDict[tuple, list]" = OrderedDict()  # prompt -> [filler completion, visits skipped]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -76,6 +81,7 @@ class AnchorCache:
         """Drop every entry if the reference changed since they were stored."""
         if reference_version != self.reference_version:
             self._entries.clear()
+            self._failures.clear()
             self.reference_version = reference_version
 
     def get(self, prompt_ids) -> tuple[list[int], float] | None:
@@ -87,17 +93,41 @@ class AnchorCache:
 
     def put(self, prompt_ids, completion_ids: list[int], reward: float) -> None:
         key = tuple(prompt_ids)
+        self._failures.pop(key, None)
         self._entries[key] = (list(completion_ids), float(reward))
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
+    def known_failure(self, prompt_ids, retry_every: int) -> list[int] | None:
+        """The filler completion of a remembered failure to skip now, or None (unknown, or due for a retry)."""
+        key = tuple(prompt_ids)
+        entry = self._failures.get(key)
+        if entry is None:
+            return None
+        entry[1] += 1
+        if entry[1] >= retry_every:
+            del self._failures[key]
+            return None
+        return entry[0]
+
+    def put_failure(self, prompt_ids, filler_ids: list[int]) -> None:
+        key = tuple(prompt_ids)
+        self._failures[key] = [list(filler_ids), 0]
+        self._failures.move_to_end(key)
+        while len(self._failures) > self.max_entries:
+            self._failures.popitem(last=False)
+
     def state_dict(self) -> dict:
         entries = [[list(k), ids, reward] for k, (ids, reward) in self._entries.items()]
-        return {"reference_version": self.reference_version, "entries": entries}
+        failures = [[list(k), filler, skipped] for k, (filler, skipped) in self._failures.items()]
+        return {"reference_version": self.reference_version, "entries": entries, "failures": failures}
 
     def load_state_dict(self, state: dict) -> None:
         self._entries.clear()
+        self._failures.clear()
         self.reference_version = state["reference_version"]
         for key, ids, reward in state["entries"]:
             self.put(key, ids, reward)
+        for key, filler, skipped in state.get("failures", []):
+            self._failures[tuple(key)] = [filler, skipped]

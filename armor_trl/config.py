@@ -74,6 +74,20 @@ class ArmorConfig(GRPOConfig):
         default=100_000,
         metadata={"help": "Most prompts the anchor cache holds; the least recently used go first."},
     )
+    anchor_cache_failures: bool = field(
+        default=False,
+        metadata={
+            "help": "With anchor_cache: also remember prompts whose candidates all failed (for the current reference) "
+            "and count them as groups without an anchor on their next visits instead of sampling again, until the "
+            "reference changes or `anchor_failure_retry_every` visits have passed; when a reference generation call "
+            "happens anyway they are retried in it. Skips that call when every other group is cached; note it "
+            "reuses a prompt's failure where the paper redraws candidates."
+        },
+    )
+    anchor_failure_retry_every: int = field(
+        default=4,
+        metadata={"help": "A remembered failure is sampled again at the latest on every N-th visit of its prompt."},
+    )
     use_anchors: bool = field(
         default=True,
         metadata={"help": "Put one reward-verified reference completion (the anchor) in every group. Ablation switch."},
@@ -140,6 +154,12 @@ class ArmorConfig(GRPOConfig):
             raise ValueError(f"anchor_num_samples must be an integer >= 1, got {self.anchor_num_samples}.")
         if self.anchor_cache_size < 1:
             raise ValueError(f"anchor_cache_size must be an integer >= 1, got {self.anchor_cache_size}.")
+        if self.anchor_failure_retry_every < 1:
+            raise ValueError(
+                f"anchor_failure_retry_every must be an integer >= 1, got {self.anchor_failure_retry_every}."
+            )
+        if self.anchor_cache_failures and not self.anchor_cache:
+            raise ValueError("anchor_cache_failures=True needs anchor_cache=True (failures are kept in the anchor cache).")
         if self.anchor_filter not in ANCHOR_FILTERS:
             raise ValueError(f"anchor_filter must be one of {list(ANCHOR_FILTERS)}, got {self.anchor_filter!r}.")
         for name in ("ref_reset_steps", "ref_reset_every_step_until"):

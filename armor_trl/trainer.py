@@ -266,22 +266,32 @@ class ArmorGRPOTrainer(GRPOTrainer):
         """
         k, threshold = self.args.anchor_num_samples, self.args.anchor_reward_threshold
         groups = len(group_prompt_ids)
-        cached = [None] * groups
+        cached, known_failures = [None] * groups, [None] * groups
         if self.anchor_cache is not None:
             self.anchor_cache.sync(self.reference.resets)
             cached = [self.anchor_cache.get(ids) for ids in group_prompt_ids]
-        to_sample = [g for g in range(groups) if cached[g] is None]
+            if self.args.anchor_cache_failures:
+                retry_every = self.args.anchor_failure_retry_every
+                known_failures = [
+                    None if hit is not None else self.anchor_cache.known_failure(ids, retry_every)
+                    for ids, hit in zip(group_prompt_ids, cached)
+                ]
+        to_sample = [g for g in range(groups) if cached[g] is None and known_failures[g] is None]
         # Generation and scoring are collective (ZeRO-3 gathers, rewards are gathered): every process samples
-        # the same number of groups, padding with repeats of its own groups whose results are discarded.
+        # the same number of groups. Spare places retry remembered failures, then repeat a group (discarded).
         rounds = len(to_sample)
         if self.anchor_cache is not None:
             rounds = int(self.accelerator.gather(torch.tensor([rounds], device=self.accelerator.device)).max())
-        sampled = to_sample + [to_sample[0] if to_sample else 0] * (rounds - len(to_sample))
+        retried = [g for g in range(groups) if known_failures[g] is not None][: max(rounds - len(to_sample), 0)]
+        used = to_sample + retried
+        sampled = used + [used[0] if used else 0] * (rounds - len(used))
 
         anchors, rewards_out = [None] * groups, torch.full((groups,), float("nan"))
-        for g, hit in enumerate(cached):
-            if hit is not None:
-                anchors[g], rewards_out[g] = hit
+        for g in range(groups):
+            if cached[g] is not None:
+                anchors[g], rewards_out[g] = cached[g]
+            elif known_failures[g] is not None and g not in retried:
+                anchors[g] = known_failures[g]  # fills the slot; the group has no anchor this round
         verified_frac = torch.empty(0)
         if sampled:
             candidate_prompt_ids = [group_prompt_ids[g] for g in sampled for _ in range(k)]
@@ -293,20 +303,24 @@ class ArmorGRPOTrainer(GRPOTrainer):
             rewards = seam.score_quietly(self, candidate_inputs, prompts, completions, candidate_ids)
             weights = self.reward_weights.to(rewards.device)
             chosen, chosen_reward = select_anchors(rewards, weights, k, threshold)
-            verified_frac = verified_mask(rewards, weights, threshold).float()[: len(to_sample) * k]
-            for position, g in enumerate(to_sample):
+            verified_frac = verified_mask(rewards, weights, threshold).float()[: len(used) * k]
+            for position, g in enumerate(used):
                 index = int(chosen[position])
                 anchors[g] = candidate_ids[position * k + max(index, 0)]
                 if index >= 0:
                     rewards_out[g] = chosen_reward[position].item()
                     if self.anchor_cache is not None:
                         self.anchor_cache.put(group_prompt_ids[g], anchors[g], rewards_out[g])
+                elif self.args.anchor_cache_failures:
+                    self.anchor_cache.put_failure(group_prompt_ids[g], anchors[g])
         device = self.accelerator.device
         self._armor_round = {
             "found": ~torch.isnan(rewards_out).to(device),
             "reward": rewards_out.to(device),
             "candidates_verified": verified_frac.to(device),
-            "cache_hits": torch.tensor([groups - len(to_sample), groups], device=device, dtype=torch.float),
+            "cache_hits": torch.tensor(
+                [sum(hit is not None for hit in cached), groups], device=device, dtype=torch.float
+            ),
         }
         return anchors
 
@@ -410,7 +424,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         """The settings a checkpoint's ARMOR state depends on; resuming with different ones is refused."""
         fields = (
             "use_anchors", "use_mixed_ratio", "num_generations", "anchor_num_samples", "anchor_reward_threshold",
-            "anchor_filter", "anchor_cache", "ref_reset_steps", "ref_reset_every_step_until",
+            "anchor_filter", "anchor_cache", "anchor_cache_failures", "ref_reset_steps", "ref_reset_every_step_until",
         )
         return {"armor_alpha": self.armor_alpha, **{name: getattr(self.args, name) for name in fields}}
 

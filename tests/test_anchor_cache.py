@@ -79,3 +79,47 @@ def test_cache_size_bound_is_respected(tiny_model_path, tiny_tokenizer, prompt_d
     trainer.train()
     assert len(trainer.anchor_cache) == 1
     assert max(logged(trainer, "armor/anchor_cache_size")) == 1
+
+
+def test_remembered_failures_are_skipped_then_retried():
+    cache = AnchorCache(max_entries=4)
+    cache.put_failure([5], [9, 9])
+    assert cache.known_failure([5], retry_every=3) == [9, 9]  # 1st skipped visit
+    assert cache.known_failure([5], retry_every=3) == [9, 9]  # 2nd
+    assert cache.known_failure([5], retry_every=3) is None  # 3rd visit: due for a retry
+    cache.put_failure([6], [1])
+    cache.put([6], [2], 1.0)  # a later success replaces the failure
+    assert cache.known_failure([6], retry_every=3) is None and cache.get([6]) == ([2], 1.0)
+    cache.put_failure([7], [1])
+    cache.sync(reference_version=1)  # a new reference: failures are forgotten too
+    assert cache.known_failure([7], retry_every=3) is None
+
+
+def test_remembering_failures_saves_reference_calls(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
+    def reward(completions, prompts, **kwargs):
+        # "3+4=" can never be verified; "1+2=" almost always
+        return [0.0 if p == "3+4=" else share for p, share in zip(prompts, digit_share_reward(completions))]
+
+    calls = {}
+    for remember in (False, True):
+        trainer = make_trainer(
+            tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path / str(remember), reward_funcs=reward,
+            anchor_reward_threshold=0.01, anchor_cache=True, anchor_cache_failures=remember,
+            anchor_failure_retry_every=100, max_steps=6,
+        )
+        rows = count_reference_rows(monkeypatch, trainer)
+        trainer.train()
+        calls[remember] = len(rows)
+        assert min(logged(trainer, "armor/anchor_found_frac")) < 1.0  # "3+4=" groups stay without anchor
+    assert calls[True] < calls[False]
+    assert calls[True] <= 2  # once per distinct prompt, at most
+
+
+def test_failures_need_the_anchor_cache(tmp_path):
+    from armor_trl import ArmorConfig
+    from conftest import cpu_args
+
+    import pytest
+
+    with pytest.raises(ValueError, match="anchor_cache_failures=True needs anchor_cache=True"):
+        ArmorConfig(output_dir=str(tmp_path), anchor_cache_failures=True, **cpu_args())
