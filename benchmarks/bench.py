@@ -7,6 +7,7 @@ Configurations (same tiny model, data, reward, seed, G = num_generations, K = an
 ``grpo_b004``      trl.GRPOTrainer, beta = 0.04, full fine-tuning: a full frozen reference model  <- baseline
 ``armor_full``     ArmorGRPOTrainer, full fine-tuning, full frozen reference (the policy's initial weights)
 ``armor_cache``    as ``armor_full`` with ``anchor_cache=True``
+``armor_cache_failures`` as ``armor_cache`` with ``anchor_cache_failures=True`` (failed prompts remembered too)
 ``grpo_b004_lora`` trl.GRPOTrainer, beta = 0.04, LoRA: reference = the base model (adapter disabled)  <- LoRA baseline
 ``armor_lora``     ArmorGRPOTrainer, same LoRA: reference = a frozen "ref" adapter
 =================  ===================================================================================
@@ -30,7 +31,7 @@ trainer calls), inside the worker process only:
 
 Usage: ``python benchmarks/bench.py`` (``make bench``, a few minutes on 2 cores); ``--smoke`` for a seconds-long
 structural run; ``--preset memory`` for peak RSS with a 19M-parameter model (weights visible above the runtime's
-~320 MB); ``--configs grpo_b004,armor_cache,armor_cache_neg`` adds the opt-in negative-cache what-if.
+~320 MB); ``--configs grpo_b004,armor_cache`` runs a subset.
 Writes ``<out>/bench.json`` (settings, per-run per-step raw timings, summary, targets) and ``<out>/bench.md``
 (the printed tables), default ``results/bench``; worker logs go to ``<out>/logs``.
 """
@@ -71,15 +72,16 @@ CONFIGS = {
     "armor_cache": ("armor", 0.0, False, True, "ARMOR, full FT, full ref, anchor_cache=True"),
     "grpo_b004_lora": ("grpo", 0.04, True, False, "TRL GRPO, beta=0.04, LoRA, ref = adapter disabled"),
     "armor_lora": ("armor", 0.0, True, False, "ARMOR, LoRA, ref = frozen 'ref' adapter"),
-    # what-if, opt-in (--configs ...,armor_cache_neg): the anchor cache plus a *negative* cache emulated in this
-    # script (see _negative_cache); it is a prototype of a suggested trainer change, not a trainer feature.
-    "armor_cache_neg": ("armor", 0.0, False, True, "WHAT-IF: anchor_cache + negative cache (emulated)"),
+    "armor_cache_failures": ("armor", 0.0, False, True, "ARMOR, anchor_cache + anchor_cache_failures=True"),
 }
-DEFAULT_CONFIGS = ["grpo_b0", "grpo_b004", "armor_full", "armor_cache", "grpo_b004_lora", "armor_lora"]
+DEFAULT_CONFIGS = [
+    "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
+]
 # Each row: the ratio it checks (numerator config, denominator config, quantity), its bound.
 TARGETS = [
     ("step time armor_full / grpo_b004 <= 1.25", "armor_full", BASELINE, "step", 1.25),
     ("step time armor_cache / grpo_b004 <= 1.10", "armor_cache", BASELINE, "step", 1.10),
+    ("step time armor_cache_failures / grpo_b004 <= 1.10", "armor_cache_failures", BASELINE, "step", 1.10),
     ("peak RSS armor_full / grpo_b004 <= 1.05", "armor_full", BASELINE, "rss", 1.05),
     ("LoRA reset / armor_lora step < 0.01", "armor_lora", "armor_lora", "lora_reset", 0.01),
 ]
@@ -297,48 +299,6 @@ def _split(raw: dict) -> dict:
     return split
 
 
-def _negative_cache(trainer) -> None:
-    """WHAT-IF prototype (armor_cache_neg): skip the reference generate call when it would only retry failures.
-
-    The anchor cache stores verified anchors only, so a prompt whose K candidates all failed is sampled again on
-    every visit, and one such group forces a whole (latency-bound) generate call. Here such prompts are remembered
-    per reference version; when every group of a round is either a cache hit or a remembered failure, no candidates
-    are sampled at all (the failures count as "no anchor found", as their last attempt did). When a generate call
-    is needed anyway, remembered failures are retried in it (free riders), so they keep their chances.
-    """
-    import torch
-
-    original = trainer._sample_anchors
-    failed: dict[tuple, tuple[int, list]] = {}  # prompt ids -> (reference version, a failed candidate as filler)
-
-    def sample_anchors(group_prompt_ids, group_inputs):
-        version = trainer.reference.resets
-        cache = trainer.anchor_cache
-        cache.sync(version)
-        hits = [cache.get(ids) for ids in group_prompt_ids]
-        known_bad = [h is None and failed.get(tuple(ids), (None,))[0] == version for ids, h in zip(group_prompt_ids, hits)]
-        if all(h is not None or bad for h, bad in zip(hits, known_bad)):
-            device = trainer.accelerator.device
-            anchors = [h[0] if h is not None else failed[tuple(ids)][1] for ids, h in zip(group_prompt_ids, hits)]
-            rewards = torch.tensor([h[1] if h is not None else float("nan") for h in hits])
-            groups = len(group_prompt_ids)
-            trainer._armor_round = {
-                "found": ~torch.isnan(rewards).to(device), "reward": rewards.to(device),
-                "candidates_verified": torch.empty(0, device=device),
-                "cache_hits": torch.tensor([sum(h is not None for h in hits), groups], device=device, dtype=torch.float),
-            }
-            return anchors
-        anchors = original(group_prompt_ids, group_inputs)
-        for ids, anchor, found in zip(group_prompt_ids, anchors, trainer._armor_round["found"].tolist()):
-            if found:
-                failed.pop(tuple(ids), None)
-            else:
-                failed[tuple(ids)] = (version, anchor)
-        return anchors
-
-    trainer._sample_anchors = sample_anchors
-
-
 def _whatif_generate_rows(trainer, rows_list: list[int], repeats: int) -> dict:
     """Generate time vs batch rows (full length) with the policy: is generation latency- or throughput-bound here?"""
     import torch
@@ -455,6 +415,7 @@ def run_config(task: dict) -> dict:
             anchor_num_samples=task["k"],
             anchor_reward_threshold=task["threshold"],
             anchor_cache=cache,
+            anchor_cache_failures=task["config"] == "armor_cache_failures",
         )
     else:
         args = GRPOConfig(**common)
@@ -479,8 +440,6 @@ def run_config(task: dict) -> dict:
         trainer.remove_callback(callback)
     timers = _Timers()
     steps = _instrument(trainer, timers, is_armor)
-    if task["config"] == "armor_cache_neg":
-        _negative_cache(trainer)  # installed after _instrument, so the timers still see the real _sample_anchors
     rss_before_train = _rss_mb()
     train_start = time.perf_counter()
     trainer.train()
@@ -745,7 +704,7 @@ def format_report(result: dict) -> str:
         if skip and e.get("metrics", {}).get("armor/anchor_cache_hit_frac") is not None:
             notes.append(
                 f"- {name}: {skip['share'] * 100:.0f}% of measured steps needed no reference generate call (every group was a "
-                f"cache hit{' or a remembered failure' if name == 'armor_cache_neg' else ''}); their median step {_fmt(skip['median_step_s'], 3)} s"
+                f"cache hit{' or a remembered failure' if name == 'armor_cache_failures' else ''}); their median step {_fmt(skip['median_step_s'], 3)} s"
                 + (f" = {skip['median_step_s'] / summary[BASELINE]['step_s']['median']:.2f} × grpo_b004."
                    if skip["median_step_s"] and BASELINE in summary else ".")
             )

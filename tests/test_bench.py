@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks" / "bench.py"
-CONFIGS = ["grpo_b0", "grpo_b004", "armor_full", "armor_cache", "grpo_b004_lora", "armor_lora"]
+CONFIGS = ["grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora"]
 PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "other"]
 
 
@@ -58,6 +58,7 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert [t["target"] for t in result["targets"]] == [
         "step time armor_full / grpo_b004 <= 1.25",
         "step time armor_cache / grpo_b004 <= 1.10",
+        "step time armor_cache_failures / grpo_b004 <= 1.10",
         "peak RSS armor_full / grpo_b004 <= 1.05",
         "LoRA reset / armor_lora step < 0.01",
     ]
