@@ -6,7 +6,8 @@ reads a YAML recipe into dataclasses (:class:`TrainScriptArguments`, ``trl.Model
 ``armor`` (ArmorGRPOTrainer + ArmorConfig) or ``grpo`` (plain trl.GRPOTrainer + GRPOConfig, with its own
 ``beta``), so a comparison is two runs of one recipe: ArmorConfig-only keys in the recipe are then ignored
 with a warning, and rejected when given as command-line flags. ``--dry_run`` validates a recipe (parsing,
-config checks, rewards, datasets, batch shapes, reset schedule) without loading weights. Works under
+config checks, rewards, datasets, batch shapes, reset schedule) without loading weights, anywhere: without a GPU
+it validates as if ``use_cpu=True``, and a hub dataset it cannot reach is described, not loaded. Works under
 ``accelerate launch -m armor_trl train ...``.
 """
 
@@ -122,6 +123,15 @@ def _flags(strings: list[str]) -> list[str]:
     return [s[2:].split("=", 1)[0].replace("-", "_") for s in strings if s.startswith("--")]
 
 
+def _dry_run_requested(argv: list[str], recipe: dict) -> bool:
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag in ("--dry_run", "--dry-run"):
+            value = value or (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "true")
+            return value.lower() in ("true", "1", "yes")
+    return bool(recipe.get("dry_run", False))
+
+
 def _recipe(argv: list[str]) -> dict:
     path = _cli_value(argv, "config")
     if path is None:
@@ -146,7 +156,8 @@ def parse_train_args(argv: list[str]):
     from .config import ArmorConfig
 
     argv = list(argv)
-    method = _cli_value(argv, "method") or _recipe(argv).get("method") or "armor"
+    recipe = _recipe(argv)
+    method = _cli_value(argv, "method") or recipe.get("method") or "armor"
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}.")
     armor_only = armor_only_fields()
@@ -157,6 +168,14 @@ def parse_train_args(argv: list[str]):
                 f"--{', --'.join(rejected)}: ArmorConfig-only field(s), which do not apply to method 'grpo' "
                 "(plain trl.GRPOTrainer). Drop them or use --method armor."
             )
+    notes = []
+    if _dry_run_requested(argv, recipe) and "use_cpu" not in _flags(argv) and not recipe.get("use_cpu"):
+        import torch
+
+        if not torch.cuda.is_available():  # a GPU recipe checked on a login node or laptop: bf16 needs a GPU
+            argv += ["--use_cpu", "true"]
+            notes.append("dry run without a GPU: the recipe is validated as if use_cpu=True (bf16, vLLM and memory "
+                         "are checked only when training starts on the GPU machine)")
     parser = TrlParser((TrainScriptArguments, ArmorConfig if method == "armor" else GRPOConfig, ModelConfig),
                        prog="armor-trl train")
     script_args, training_args, model_args, recipe_rest, cli_rest = parser.parse_args_and_config(
@@ -164,19 +183,19 @@ def parse_train_args(argv: list[str]):
     )
     if cli_rest:
         raise ValueError(f"Unknown arguments: {' '.join(cli_rest)}")
-    notes, unknown = [], []
+    ignored, unknown = [], []
     for key in _flags(recipe_rest):
         if key in RESERVED_RECIPE_KEYS:
             continue
         if method == "grpo" and key in armor_only:
-            notes.append(key)
+            ignored.append(key)
         else:
             unknown.append(key)
     if unknown:
         raise ValueError(f"Unknown key(s) in the recipe: {', '.join(unknown)} (not a field of TrainScriptArguments, "
                          f"{'ArmorConfig' if method == 'armor' else 'GRPOConfig'} or ModelConfig).")
-    if notes:
-        notes = [f"method 'grpo' ignores the ArmorConfig-only recipe key(s): {', '.join(notes)}"]
+    if ignored:
+        notes.insert(0, f"method 'grpo' ignores the ArmorConfig-only recipe key(s): {', '.join(ignored)}")
     return script_args, training_args, model_args, notes
 
 
@@ -202,14 +221,39 @@ def load_datasets(args: DataArguments, train_source: str | None, eval_source: st
     return load(train_source, train_split, max_train), load(eval_source, eval_split, max_eval)
 
 
+def _held_out_source(script_args: TrainScriptArguments) -> str | None:
+    if script_args.eval_dataset_name is None and script_args.val_every_steps > 0:
+        return script_args.dataset_name
+    return script_args.eval_dataset_name
+
+
 def train_datasets(script_args: TrainScriptArguments):
-    eval_source = script_args.eval_dataset_name
-    if eval_source is None and script_args.val_every_steps > 0:
-        eval_source = script_args.dataset_name
-    eval_split = script_args.dataset_test_split
-    return load_datasets(script_args, script_args.dataset_name, eval_source, script_args.dataset_train_split,
-                         eval_split, script_args.dataset_config, script_args.max_train_samples,
-                         script_args.max_eval_samples)
+    return load_datasets(script_args, script_args.dataset_name, _held_out_source(script_args),
+                         script_args.dataset_train_split, script_args.dataset_test_split, script_args.dataset_config,
+                         script_args.max_train_samples, script_args.max_eval_samples)
+
+
+def _dry_run_datasets(script_args: TrainScriptArguments):
+    """(train, held-out, notes) for a dry run: a hub dataset that cannot be reached (offline, no network) is None
+    with a note instead of an error; it is loaded, and checked, when training starts."""
+    from .datasets import DATASETS
+
+    s, notes = script_args, []
+
+    def attempt(label, source, load):
+        try:
+            return load()
+        except ConnectionError as error:
+            where = f"hub {DATASETS[source].path}" if source in DATASETS else "hub"
+            notes.append(f"{label} dataset: {source} ({where}) not checked: {error}")
+            return None
+
+    train = attempt("train", s.dataset_name, lambda: load_datasets(
+        s, s.dataset_name, None, s.dataset_train_split, None, s.dataset_config, max_train=s.max_train_samples)[0])
+    source = _held_out_source(s)
+    held_out = None if source is None else attempt("held-out", source, lambda: load_datasets(
+        s, None, source, s.dataset_train_split, s.dataset_test_split, s.dataset_config, max_eval=s.max_eval_samples)[1])
+    return train, held_out, notes
 
 
 def reset_schedule(max_steps: int, every: int | None, until: int | None) -> list[int]:
@@ -222,8 +266,11 @@ def reset_schedule(max_steps: int, every: int | None, until: int | None) -> list
 def describe_resets(max_steps: int, every: int | None, until: int | None) -> str:
     if every is None and until is None:
         return "static reference (never reset)"
-    steps = reset_schedule(max_steps, every, until) if max_steps > 0 else []
-    parts = ([f"after every step up to {until}"] if until else []) + ([f"every {every} steps"] if every else [])
+    parts = ([f"after every step up to {until}"] if until else []) + ([f"every {every} steps"] if every else
+                                                                       ["frozen"])
+    if max_steps <= 0:
+        return f"reset {' then '.join(parts)}"
+    steps = reset_schedule(max_steps, every, until)
     shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
     return f"reset {' then '.join(parts)}: {len(steps)} resets in {max_steps} steps ({shown or 'none'})"
 
@@ -260,7 +307,7 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
     weights = training_args.reward_weights
     if weights is not None and len(weights) != len(rewards):
         raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(rewards)} reward functions.")
-    train, held_out = train_datasets(script_args)
+    train, held_out, dataset_notes = _dry_run_datasets(script_args)
     for label, dataset in (("training", train), ("held-out", held_out)):
         if dataset is not None and "prompt" not in dataset.column_names:
             raise ValueError(f"The {label} dataset has no 'prompt' column (columns: {dataset.column_names}).")
@@ -269,10 +316,17 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
     if os.path.isdir(model_args.model_name_or_path) and not os.path.isfile(config_file):
         raise ValueError(f"{model_args.model_name_or_path} is a folder without config.json: not a saved model.")
     lines.append(f"model: {model_args.model_name_or_path}")
+    if model_args.use_peft:
+        from trl import get_peft_config
+
+        lora = get_peft_config(model_args)
+        lines.append(f"LoRA: r {lora.r}, alpha {lora.lora_alpha}, target modules {lora.target_modules}")
     lines.append(f"rewards: {', '.join(script_args.reward_funcs)} (weights {weights or [1.0] * len(rewards)})")
-    lines.append(f"train dataset: {script_args.dataset_name}, {len(train)} rows; first prompt {train[0]['prompt']!r}")
+    if train is not None:
+        lines.append(f"train dataset: {script_args.dataset_name}, {len(train)} rows; first prompt {train[0]['prompt']!r}")
     if held_out is not None:
         lines.append(f"held-out dataset: {len(held_out)} rows, validated every {script_args.val_every_steps} steps")
+    lines += dataset_notes
     world = training_args.world_size
     local = training_args.per_device_train_batch_size * training_args.steps_per_generation
     groups = local * world // training_args.num_generations
@@ -281,13 +335,18 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
         f"per generation x {world} process(es) = {local * world} completions = {groups} groups of "
         f"{training_args.num_generations} per generation round"
     )
+    accumulation = training_args.gradient_accumulation_steps
+    lines.append(f"optimizer step: {training_args.per_device_train_batch_size * accumulation * world} completions "
+                 f"({accumulation} accumulation steps); {training_args.steps_per_generation / accumulation:g} "
+                 "optimizer step(s) per generation round")
     max_steps = training_args.max_steps
-    if max_steps <= 0:
+    if max_steps <= 0 and train is not None:
         max_steps = math.ceil(len(train) * training_args.num_generations * training_args.num_train_epochs
                               / (training_args.per_device_train_batch_size * world
                                  * training_args.gradient_accumulation_steps))
-    lines.append(f"steps: {max_steps}, lr {training_args.learning_rate}, loss {training_args.loss_type}, "
-                 f"beta {training_args.beta}, clip {training_args.epsilon}/{training_args.epsilon_high}")
+    lines.append(f"steps: {max_steps if max_steps > 0 else 'unknown (dataset not loaded)'}, "
+                 f"lr {training_args.learning_rate}, loss {training_args.loss_type}, beta {training_args.beta}, "
+                 f"clip {training_args.epsilon}/{training_args.epsilon_high}")
     if script_args.method == "armor":
         lines.append(
             f"ARMOR: alpha {training_args.resolved_alpha:.4g}, anchors {training_args.use_anchors} "

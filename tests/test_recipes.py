@@ -1,0 +1,184 @@
+"""Every recipe in configs/ passes `armor-trl train --dry_run` offline (no weights, no hub), and broken copies fail clearly.
+
+The dry run validates parsing (TRL's parser: every key a field of the dataclasses), ArmorConfig's checks, batch
+divisibility with one process (the strictest case: per-process divisibility does not depend on the process count)
+and the reset schedule; hub datasets it cannot reach are described, not loaded. The paper recipes' data settings are
+also checked against local stand-ins of their hub datasets, and their batch arithmetic for the 8 processes they are
+written for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from datasets import Dataset
+
+import armor_trl.datasets
+from armor_trl.cli import main, parse_train_args
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+RECIPES = sorted(CONFIGS.glob("*.yaml"))  # not configs/accelerate/
+PAPER = ("qwen2.5-math-7b_dapo_armor.yaml", "qwen2.5-math-7b_dapo.yaml", "qwen3-8b-base_armor_hybrid.yaml")
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+def dry_run(path, tiny_model_path, *extra) -> list[str]:
+    argv = ["train", "--config", str(path), "--dry_run", *extra]
+    if yaml.safe_load(Path(path).read_text()).get("model_name_or_path") is None:
+        argv += ["--model_name_or_path", tiny_model_path]  # tiny_demo.yaml: the demo fills in its warm model
+    return argv
+
+
+def test_the_recipes_are_there():
+    names = {p.name for p in RECIPES}
+    assert set(PAPER) | {"lora_gsm8k_single_gpu.yaml", "tiny_demo.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_recipe_dry_run(path, tiny_model_path, capsys):
+    recipe = yaml.safe_load(path.read_text())
+    methods = [recipe.get("method", "armor")] + (["grpo"] if recipe.get("method", "armor") == "armor" else [])
+    for method in methods:  # an ARMOR recipe is also the GRPO baseline's (ARMOR keys ignored)
+        assert main(dry_run(path, tiny_model_path, "--method", method)) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "Recipe OK" in out and f"method: {method}" in out
+        if method == "armor":
+            assert "ARMOR: alpha" in out and "reference: " in out
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("qwen2.5-math-7b_dapo_armor.yaml", {"armor_alpha": 1.5}, "armor_alpha must lie in (0, 1]"),
+        ("qwen2.5-math-7b_dapo_armor.yaml", {"num_generations": 6}, "must be divisible by num_generations (6)"),
+        ("qwen3-8b-base_armor_hybrid.yaml", {"ref_reset_every_step_until": 0}, "ref_reset_every_step_until must be"),
+        ("qwen3-8b-base_armor_hybrid.yaml", {"beta": 0.04}, "beta must be 0.0 with ARMOR"),
+        ("lora_gsm8k_single_gpu.yaml", {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 5},
+         "generation_batch_size (15) must be divisible by num_generations (8)"),
+        ("lora_gsm8k_single_gpu.yaml", {"ref_reset_step": 100}, "Unknown key(s) in the recipe: ref_reset_step"),
+        ("lora_gsm8k_single_gpu.yaml", {"reward_funcs": ["math_verfy"]}, "Unknown reward function 'math_verfy'"),
+        ("qwen2.5-math-7b_dapo.yaml", {"method": "ppo"}, "method must be one of"),
+    ],
+)
+def test_broken_copy_fails_clearly(name, change, message, tmp_path, tiny_model_path, capsys):
+    broken = tmp_path / name
+    broken.write_text(yaml.safe_dump({**load(name), **change}))
+    assert main(["train", "--config", str(broken), "--dry_run"]) == 2
+    err = capsys.readouterr().err
+    assert "armor-trl train: error:" in err and message in err, err
+
+
+def test_paper_settings():
+    """The numbers the paper recipes are meant to carry (TRL optimizer steps = the paper's rollout steps x 16)."""
+    def parse(name):  # --dry_run: validated as on a CPU when there is no GPU (bf16 needs one otherwise)
+        return parse_train_args(["--config", str(CONFIGS / name), "--dry_run"])
+
+    _, armor, _, _ = parse("qwen2.5-math-7b_dapo_armor.yaml")
+    script, dapo, model, _ = parse("qwen2.5-math-7b_dapo.yaml")
+    hybrid_script, hybrid, _, _ = parse("qwen3-8b-base_armor_hybrid.yaml")
+    assert (armor.num_generations, armor.resolved_alpha, armor.anchor_num_samples) == (16, 0.9375, 4)
+    assert (armor.ref_reset_steps, armor.ref_reset_every_step_until) == (160 * 16, None)
+    assert (hybrid.num_generations, hybrid.resolved_alpha) == (8, 0.875)
+    assert (hybrid.ref_reset_every_step_until, hybrid.ref_reset_steps) == (180 * 16, None)
+    for config in (armor, dapo, hybrid):
+        assert (config.beta, config.loss_type, config.epsilon, config.epsilon_high) == (0.0, "dapo", 0.2, 0.28)
+        assert (config.learning_rate, config.weight_decay, config.max_grad_norm) == (1e-6, 0.1, 1.0)
+        assert (config.warmup_steps, config.temperature, config.max_completion_length) == (10 * 16, 1.0, 8192)
+        assert config.use_vllm and config.bf16 and config.activation_checkpointing
+    for s in (script, hybrid_script):
+        assert (s.dataset_name, s.eval_dataset_name, s.reward_funcs) == ("dapo", "aime24", ["math_verify"])
+        assert (s.val_every_steps, s.val_num_samples, s.val_top_p) == (5 * 16, 32, 0.7)
+    assert script.method == "grpo" and model.model_name_or_path == "Qwen/Qwen2.5-Math-7B"
+
+
+def test_dapo_baseline_differs_from_armor_only_in_armor_keys():
+    armor, dapo = load("qwen2.5-math-7b_dapo_armor.yaml"), load("qwen2.5-math-7b_dapo.yaml")
+    armor_keys = {"method", "output_dir", "ref_model_name_or_path", "armor_alpha", "anchor_num_samples",
+                  "anchor_reward_threshold", "anchor_filter", "ref_reset_steps", "ref_reset_every_step_until"}
+    assert set(dapo) - armor_keys == set(armor) - armor_keys
+    assert {k: v for k, v in dapo.items() if k not in armor_keys} == {
+        k: v for k, v in armor.items() if k not in armor_keys}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_batch_arithmetic_with_eight_processes(name):
+    """512 prompts per rollout step in 16 optimizer steps of 32 prompts, with the 8 processes the recipes are for."""
+    r, processes = load(name), 8
+    per_step = r["per_device_train_batch_size"] * r["gradient_accumulation_steps"] * processes
+    per_rollout = r["per_device_train_batch_size"] * r["steps_per_generation"] * processes
+    assert per_step == 32 * r["num_generations"] and per_rollout == 512 * r["num_generations"]
+    assert r["steps_per_generation"] // r["gradient_accumulation_steps"] == 16
+    assert r["per_device_train_batch_size"] * r["steps_per_generation"] % r["num_generations"] == 0  # per process
+
+
+# --- the recipes' data settings against local stand-ins of their hub datasets ---------------------------------
+def _fake_hub(calls):
+    """load_dataset for the hub datasets the recipes name: the real schema and splits, three rows."""
+    dapo_prompt = "Solve the following math problem step by step. ...\n\nWhat is 2+3?\n\nRemember ... \"Answer:\"."
+    tables = {
+        ("BytedTsinghua-SIA/DAPO-Math-17k", None): {"train": {
+            "data_source": ["math_dapo"] * 3, "ability": ["MATH"] * 3,
+            "prompt": [[{"role": "user", "content": dapo_prompt}]] * 3,
+            "reward_model": [{"ground_truth": "5", "style": "rule-lighteval/MATH_v2"}] * 3,
+            "extra_info": [{"index": str(i)} for i in range(3)]}},
+        ("HuggingFaceH4/aime_2024", None): {"train": {
+            "id": [60, 61, 62], "problem": ["Find x."] * 3, "solution": ["x = 204"] * 3,
+            "answer": ["204", "25", "116"], "url": [""] * 3, "year": ["2024"] * 3}},
+        ("openai/gsm8k", "main"): {split: {
+            "question": ["Tom has 3 apples and buys 4. How many?"] * 3,
+            "answer": ["3 + 4 = <<3+4=7>>7\n#### 7"] * 3} for split in ("train", "test")},
+    }
+
+    def load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split))
+        splits = tables[(path, name)]  # KeyError: a dataset or configuration the hub does not have
+        if split not in splits:
+            raise ValueError(f'Unknown split "{split}". Should be one of {list(splits)}.')
+        return Dataset.from_dict(splits[split])
+
+    return load_dataset
+
+
+@pytest.mark.parametrize("name", sorted(PAPER) + ["lora_gsm8k_single_gpu.yaml"])
+def test_recipe_data_settings_on_local_stand_ins(name, monkeypatch, tiny_model_path, capsys):
+    calls = []
+    monkeypatch.setattr(armor_trl.datasets, "load_dataset", _fake_hub(calls))
+    assert main(dry_run(CONFIGS / name, tiny_model_path)) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "not checked" not in out and "train dataset:" in out and "held-out dataset:" in out
+    if name == "lora_gsm8k_single_gpu.yaml":
+        assert calls == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
+        assert "\\\\boxed{}" in out and "'role': 'user'" in out  # chat prompt with the boxed instruction
+    else:
+        assert calls == [("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"),
+                         ("HuggingFaceH4/aime_2024", None, "train")]  # AIME 2024's only split is "train"
+        assert "'content': 'Solve the following math problem" in out  # DAPO's own instruction, as a chat message
+
+
+def test_dry_run_describes_unreachable_hub_datasets(monkeypatch, tiny_model_path, capsys):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(armor_trl.datasets, "load_dataset", offline)
+    assert main(dry_run(CONFIGS / "lora_gsm8k_single_gpu.yaml", tiny_model_path)) == 0
+    out = capsys.readouterr().out
+    assert "train dataset: openai/gsm8k (hub) not checked: Couldn't reach" in out
+    assert "held-out dataset: openai/gsm8k (hub) not checked" in out and "steps: 300" in out
+
+
+def test_dry_run_without_gpu_validates_as_on_cpu(monkeypatch, capsys):
+    import torch
+    import transformers.utils
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: False)
+    name = str(CONFIGS / "qwen2.5-math-7b_dapo_armor.yaml")
+    _, config, _, notes = parse_train_args(["--config", name, "--dry_run"])
+    assert config.bf16 and config.use_cpu and "validated as if use_cpu=True" in notes[0]
+    with pytest.raises(ValueError, match="bf16=True .* needs a GPU"):  # a real run on this machine still fails clearly
+        parse_train_args(["--config", name])
