@@ -479,7 +479,7 @@ USAGE = """usage: armor-trl {train,eval,demo} ...
           e.g. armor-trl train --config recipe.yaml --method grpo --beta 0.04 [--dry_run]
   eval    avg@k and pass@k of a model on a dataset with the built-in verifiers
           e.g. armor-trl eval --model PATH --dataset gsm8k --split test --k 8
-  demo    the offline CPU demo: GRPO vs GRPO+KL vs ARMOR on a tiny model ([--seeds N] [--smoke])
+  demo    the offline CPU demo: GRPO vs GRPO+KL vs GRPO at lower lr vs ARMOR on a tiny model ([--seeds N] [--smoke])
 
 Run `armor-trl COMMAND --help` for a command's options."""
 

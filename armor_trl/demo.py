@@ -1,4 +1,4 @@
-"""The offline demo: plain GRPO vs GRPO + reverse KL vs ARMOR on a tiny model, on a 2-core CPU in minutes.
+"""The offline demo: plain GRPO, GRPO + reverse KL, GRPO at a lower lr and ARMOR on a tiny model, in minutes.
 
 1. Build the tiny character-level Llama (:mod:`armor_trl.tiny`) and warm it up with a short supervised phase on
    2-digit addition (``12+35=`` → ``47``); the warm checkpoint is cached under ``<output_dir>/cache``.
