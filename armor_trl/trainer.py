@@ -249,14 +249,16 @@ class ArmorGRPOTrainer(GRPOTrainer):
             logprobs = fill_groups(on_policy_logprobs, neutral_sampling_logprobs(anchor_ids), group_size)
         return fill_groups(on_policy_ids, anchor_ids, group_size), logprobs
 
+    @contextlib.contextmanager
     def _reference_generation(self):
         """Context in which TRL's generation path samples from π_ref."""
         if self.use_vllm:
-            return reference_in_engine(self)
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._reference_ready())
-        stack.enter_context(seam.generating_with(self, self.reference.model if self.reference.kind == "full" else None))
-        return stack
+            with reference_in_engine(self):
+                yield
+            return
+        full_reference = self.reference.model if self.reference.kind == "full" else None
+        with self._reference_ready(), seam.generating_with(self, full_reference):
+            yield
 
     def _sample_anchors(self, group_prompt_ids: list, group_inputs: list[dict]) -> list:
         """Return one anchor completion per group: from the cache, or the first verified of K reference candidates.
