@@ -23,7 +23,7 @@ import os
 import torch
 from accelerate.utils import gather, is_peft_model
 from transformers import ProcessorMixin
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
@@ -465,15 +465,25 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return checkpoint
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
         if self.reference is None:
-            return
-        directory = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            return super()._save_checkpoint(model, trial)
+        # Older checkpoints are rotated away only once this one is complete (ARMOR's state file written last), so a
+        # run killed in between still has its previous complete checkpoint.
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = self._get_output_dir(trial=trial)
+        directory = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         extra = {
             "config": self._armor_fingerprint(),
             "anchor_cache": None if self.anchor_cache is None else self.anchor_cache.state_dict(),
         }
         self.reference.save(directory, self._unwrapped_policy(), extra, write=self.args.should_save)
+        if self.args.should_save and limit:
+            rotate_checkpoints(run_dir, limit, best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -84,3 +84,32 @@ def test_resume_from_a_checkpoint_not_written_by_armor_is_refused(tiny_model_pat
     plain.mkdir()
     with pytest.raises(ValueError, match="not written"):
         trainer.train(resume_from_checkpoint=str(plain))
+
+
+def test_rotation_keeps_the_last_complete_checkpoint_until_the_new_one_is_complete(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
+):
+    from armor_trl.reference import ReferencePolicy
+
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, save_strategy="steps", save_steps=1,
+        save_total_limit=1,
+    )
+    original_save = ReferencePolicy.save
+
+    def save_then_die_at_step_2(self, directory, *args, **kwargs):
+        if directory.endswith("checkpoint-2"):
+            raise KeyboardInterrupt("killed while writing checkpoint-2")
+        return original_save(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(ReferencePolicy, "save", save_then_die_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert (tmp_path / "checkpoint-1" / STATE_FILE).exists()  # not rotated away before checkpoint-2 was complete
+    monkeypatch.setattr(ReferencePolicy, "save", original_save)
+    resumed = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, save_strategy="steps", save_steps=1,
+        save_total_limit=1,
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]  # rotation still applies
