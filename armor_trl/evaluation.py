@@ -206,6 +206,14 @@ class ValidationCallback(TrainerCallback):
         return record
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        plugin = getattr(args, "deepspeed_plugin", None)
+        if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+            # generation on one process of a model sharded over all of them would wait forever for the others
+            raise ValueError(
+                "Validation during training (val_every_steps) runs on the main process only and does not work with "
+                "DeepSpeed ZeRO-3, which shards the weights. Use ZeRO-2 or DDP, or set val_every_steps 0 and "
+                "evaluate saved checkpoints with `armor-trl eval`."
+            )
         if state.is_world_process_zero and state.global_step == 0:
             self._record(0, self._evaluate(state, model, processing_class), None)
 

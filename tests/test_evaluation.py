@@ -118,3 +118,15 @@ def test_validation_callback_logs_through_the_trainer(tiny_model_path, prompt_da
     assert [r["step"] for r in records] == [0, 1, 2] and all(r["run"] == "unit" for r in records)
     assert "train_reward" not in records[0] and records[1]["train_reward"] == logged[0]["reward"]
     assert callback.history == records
+
+
+def test_validation_callback_refuses_zero3_instead_of_hanging():
+    from types import SimpleNamespace
+
+    from armor_trl.evaluation import ValidationCallback
+
+    callback = ValidationCallback(eval_dataset=None, verifier=lambda **kw: [], every_steps=1)
+    args = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))
+    state = SimpleNamespace(is_world_process_zero=True, global_step=0)
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        callback.on_train_begin(args, state, None)
