@@ -1,0 +1,69 @@
+"""The install extras: [vllm] brings the vLLM versions TRL supports, [deepspeed] DeepSpeed, and the docs name them."""
+
+from __future__ import annotations
+
+import re
+from importlib.metadata import requires, version
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def project() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def trl_extra(extra: str) -> dict[str, Requirement]:
+    """TRL's own requirements for one of its extras, from the installed TRL's metadata."""
+    found = {}
+    for line in requires("trl") or []:
+        requirement = Requirement(line)
+        if requirement.marker is not None and requirement.marker.evaluate({"extra": extra}) and \
+                not requirement.marker.evaluate({"extra": ""}):
+            found[requirement.name] = requirement
+    return found
+
+
+def test_vllm_extra_brings_the_vllm_that_trl_supports(project):
+    extra = [Requirement(r) for r in project["optional-dependencies"]["vllm"]]
+    core_trl = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "trl")
+    assert [(r.name, r.extras) for r in extra] == [("trl", {"vllm"})]
+    assert extra[0].specifier == core_trl.specifier  # the TRL this package runs on, so its vllm pin applies
+    assert Version(version("trl")) in core_trl.specifier
+    vllm = trl_extra("vllm")["vllm"]
+    assert vllm.specifier  # TRL pins a range; ours is that range
+    assert {"0.22.0", "0.31.0"} <= {spec.version for spec in vllm.specifier}  # TRL 1.16's: >=0.22.0,<=0.31.0
+
+
+def test_deepspeed_extra_and_its_old_name(project):
+    extras = project["optional-dependencies"]
+    assert extras["deepspeed"] == extras["distributed"]  # `distributed` stays as an alias (the Makefile uses it)
+    (ours,) = [Requirement(r) for r in extras["deepspeed"]]
+    assert ours.name == "deepspeed"
+    lowest = min(Version(spec.version) for spec in ours.specifier if spec.operator == ">=")
+    assert lowest in trl_extra("deepspeed")["deepspeed"].specifier  # within what TRL's own extra accepts
+    makefile = (REPO / "Makefile").read_text()
+    for used in re.findall(r'pip install[^\n]*-e "\.\[([^\]]+)\]"', makefile):
+        assert set(used.split(",")) <= set(extras)
+
+
+def test_test_extra_has_tensorboard(project):
+    assert "tensorboard" in {Requirement(r).name for r in project["optional-dependencies"]["test"]}
+
+
+def test_readme_install_section_names_the_extras():
+    readme = (REPO / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert 'pip install "armor-trl[vllm]"' in install and 'pip install "armor-trl[deepspeed]"' in install
+    low, high = sorted((Version(s.version) for s in trl_extra("vllm")["vllm"].specifier))
+    assert f"vLLM {low}–{high}" in install
