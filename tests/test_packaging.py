@@ -67,3 +67,14 @@ def test_readme_install_section_names_the_extras():
     assert 'pip install "armor-trl[vllm]"' in install and 'pip install "armor-trl[deepspeed]"' in install
     low, high = sorted((Version(s.version) for s in trl_extra("vllm")["vllm"].specifier))
     assert f"vLLM {low}–{high}" in install
+
+
+def test_readme_field_table_documents_the_supported_loss_types_and_is_level():
+    from armor_trl.config import SUPPORTED_LOSS_TYPES
+
+    readme = (REPO / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `loss_type`"))
+    assert all(f"`{loss}`" in row.split("only", 1)[1].split("ValueError")[0] for loss in SUPPORTED_LOSS_TYPES)
+    assert "not been derived" in row
+    row = next(line for line in readme.splitlines() if line.startswith("| `importance_sampling_level`"))
+    assert '`"token"` only' in row and "per token" in row
