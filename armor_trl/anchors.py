@@ -1,56 +1,89 @@
 """Anchor Rollout bookkeeping (ARMOR.md, "Anchor Rollout"), as pure functions of indices and tensors.
 
 Layout: a generation round holds groups of G consecutive rows with the same prompt. ARMOR keeps the
-first G−1 rows of each group for on-policy completions and the last row for the anchor.
+first G−m rows of each group for on-policy completions and the last m rows (``anchors_per_group``, 1 in
+the paper) for anchors.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def anchor_rows(num_rows: int, num_generations: int) -> list[int]:
-    """Row index of the anchor slot of each group (the group's last row)."""
-    return list(range(num_generations - 1, num_rows, num_generations))
+SELECTIONS = ("correct", "any", "incorrect")
 
 
-def policy_rows(num_rows: int, num_generations: int) -> list[int]:
-    """Row indices of the on-policy slots (all but each group's last row)."""
-    return [i for i in range(num_rows) if i % num_generations != num_generations - 1]
+def anchor_rows(num_rows: int, num_generations: int, anchors_per_group: int = 1) -> list[int]:
+    """Row indices of the anchor slots (the last ``anchors_per_group`` rows of each group)."""
+    first = num_generations - anchors_per_group
+    return [i for i in range(num_rows) if i % num_generations >= first]
 
 
-def verified_mask(rewards_per_func: torch.Tensor, weights: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Which candidates are correct: weighted total reward ≥ threshold, and no reward function returned None (NaN)."""
-    weighted = (rewards_per_func * weights.to(rewards_per_func)).sum(dim=1)
-    return ~torch.isnan(rewards_per_func).any(dim=1) & (weighted >= threshold)
+def policy_rows(num_rows: int, num_generations: int, anchors_per_group: int = 1) -> list[int]:
+    """Row indices of the on-policy slots (all but the anchor slots)."""
+    first = num_generations - anchors_per_group
+    return [i for i in range(num_rows) if i % num_generations < first]
+
+
+def verified_mask(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, threshold: float, use_funcs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Which candidates are correct: the weighted total of the reward functions that apply reaches ``threshold``.
+
+    A function returning None (NaN) does not apply to that candidate (TRL's multi-task convention) and is left
+    out of the total; a candidate to which no function applies is never correct. ``use_funcs`` (F,) bool limits
+    the decision to some functions (``anchor_reward_funcs``).
+    """
+    rewards = rewards_per_func if use_funcs is None else rewards_per_func[:, use_funcs.to(rewards_per_func.device)]
+    weights = weights if use_funcs is None else weights[use_funcs.to(weights.device)]
+    applies = ~torch.isnan(rewards)
+    weighted = (torch.nan_to_num(rewards) * weights.to(rewards)).sum(dim=1)
+    return applies.any(dim=1) & (weighted >= threshold)
 
 
 def select_anchors(
-    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_candidates: int, threshold: float
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    num_candidates: int,
+    threshold: float,
+    anchors_per_group: int = 1,
+    selection: str = "correct",
+    use_funcs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the first verified candidate of each group.
+    """Pick ``anchors_per_group`` candidates per group, in candidate order.
 
-    ``rewards_per_func`` holds (groups × K, F) rewards, K consecutive candidates per group.
-    Returns (index in [0, K) or −1 where none is verified, weighted reward of the pick or NaN).
+    ``rewards_per_func`` holds (groups × K, F) rewards, K consecutive candidates per group. ``selection``:
+    ``"correct"`` takes verified candidates, ``"any"`` takes candidates regardless of their reward,
+    ``"incorrect"`` takes candidates that are not verified.
+    Returns (groups, anchors_per_group) tensors: the index in [0, K) or −1 where no eligible candidate was
+    left, and the weighted reward of the pick (functions that apply; NaN where none was picked).
     """
-    verified = verified_mask(rewards_per_func, weights, threshold).view(-1, num_candidates)
-    weighted = (rewards_per_func * weights.to(rewards_per_func)).sum(dim=1).view(-1, num_candidates)
-    found = verified.any(dim=1)
-    first = verified.int().argmax(dim=1)  # first True; 0 when none (masked below)
-    chosen = torch.where(found, first, torch.full_like(first, -1))
-    reward = torch.where(found, weighted.gather(1, first.unsqueeze(1)).squeeze(1), torch.full_like(weighted[:, 0], float("nan")))
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+    verified = verified_mask(rewards_per_func, weights, threshold, use_funcs).view(-1, num_candidates)
+    eligible = {"correct": verified, "any": torch.ones_like(verified), "incorrect": ~verified}[selection]
+    weighted = (torch.nan_to_num(rewards_per_func) * weights.to(rewards_per_func)).sum(dim=1)
+    weighted = weighted.view(-1, num_candidates)
+    # eligible candidates first, each side in candidate order (a stable sort on "not eligible")
+    order = torch.sort((~eligible).int(), dim=1, stable=True).indices[:, :anchors_per_group]
+    found = eligible.gather(1, order)
+    chosen = torch.where(found, order, torch.full_like(order, -1))
+    reward = torch.where(found, weighted.gather(1, order), torch.full_like(weighted[:, :anchors_per_group], float("nan")))
     return chosen, reward
 
 
-def fill_groups(policy_items: list, anchor_items: list, num_generations: int) -> list:
-    """Interleave G−1 on-policy items per group with the group's anchor item, in row order."""
-    per_group = num_generations - 1
-    if len(policy_items) != per_group * len(anchor_items):
-        raise ValueError(f"expected {per_group} on-policy items per anchor, got {len(policy_items)} for {len(anchor_items)}")
+def fill_groups(policy_items: list, anchor_items: list, num_generations: int, anchors_per_group: int = 1) -> list:
+    """Interleave G−m on-policy items per group with the group's m anchor items, in row order."""
+    per_group = num_generations - anchors_per_group
+    groups = len(anchor_items) // anchors_per_group
+    if len(anchor_items) % anchors_per_group or len(policy_items) != per_group * groups:
+        raise ValueError(
+            f"expected {per_group} on-policy and {anchors_per_group} anchor items per group, got {len(policy_items)} "
+            f"and {len(anchor_items)}"
+        )
     rows = []
-    for group, anchor in enumerate(anchor_items):
+    for group in range(groups):
         rows.extend(policy_items[group * per_group : (group + 1) * per_group])
-        rows.append(anchor)
+        rows.extend(anchor_items[group * anchors_per_group : (group + 1) * anchors_per_group])
     return rows
 
 

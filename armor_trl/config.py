@@ -10,6 +10,7 @@ from .mixed_ratio import default_alpha
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ANCHOR_FILTERS = ("drop", "keep")
+ANCHOR_SELECTIONS = ("correct", "any", "incorrect")
 
 
 @dataclass
@@ -36,7 +37,8 @@ class ArmorConfig(GRPOConfig):
         default=1.0,
         metadata={
             "help": "Weighted total reward at or above which a reference candidate counts as correct (verified). A "
-            "candidate for which any reward function returned None is never correct."
+            "reward function that returns None for a candidate does not apply to it (TRL's multi-task convention) and "
+            "is left out of the total; a candidate to which no function applies is never correct."
         },
     )
     anchor_filter: str = field(
@@ -99,6 +101,105 @@ class ArmorConfig(GRPOConfig):
             "π_θ/π_θ,old. Ablation switch."
         },
     )
+    ref_reset_at_steps: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Reset the reference right after exactly these optimizer steps (e.g. [80, 120, 160], or the ARMOR "
+            "authors' `log2` schedule [1, 2, 4, 8, ...]). Combines with `ref_reset_steps` and "
+            "`ref_reset_every_step_until`: a step resets when any of them says so."
+        },
+    )
+    armor_alpha_decay_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "α rises linearly from its start value (`armor_alpha`) to 1 over this many optimizer steps (the ARMOR "
+            "authors' `decay_steps`); `None` keeps α constant."
+        },
+    )
+    # --- DAPO's loop: dynamic sampling with refill, QAE ---
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: keep a group only if the rewards of its on-policy samples are not all equal "
+            "(with anchors the test is over the G−anchors_per_group on-policy samples, without them over all G); with "
+            "use_anchors and anchor_filter='drop' a group also needs a verified anchor (the ARMOR authors' gate). "
+            "Dropped groups leave the loss, its normaliser and the batch std, and the batch is refilled with new "
+            "prompts (see `dynamic_sampling_max_rounds`). Works with ARMOR off too."
+        },
+    )
+    dynamic_sampling_keep_unsolved: bool = field(
+        default=False,
+        metadata={
+            "help": "Also keep a group whose on-policy samples all failed when it has a verified anchor (the ARMOR "
+            "authors' `weak_filter`, set in none of their scripts)."
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=10,
+        metadata={
+            "help": "Refill: while fewer groups than a generation batch holds were kept, draw as many new prompts "
+            "from the training set and generate again, at most this many generation rounds per generation batch "
+            "(DAPO's `max_num_gen_batches`). If still short, trains on what was kept (warned once)."
+        },
+    )
+    advantage_quantile: float | None = field(
+        default=None,
+        metadata={
+            "help": "QAE (arXiv 2509.22611): the group baseline is this quantile K of the group's rewards (linear "
+            "interpolation) instead of the mean; the std scaling is unchanged. The ARMOR paper used K = 0.4 / 0.45."
+        },
+    )
+    # --- ablations and reviewers' controls ---
+    anchor_selection: str = field(
+        default="correct",
+        metadata={
+            "help": "Which reference candidate becomes the anchor: 'correct' (the first verified one, the paper), "
+            "'any' (the first candidate, no correctness filter: the reviewers' control) or 'incorrect' (the first "
+            "failing one: the paper's negative-anchor ablation).",
+            "choices": list(ANCHOR_SELECTIONS),
+        },
+    )
+    anchor_gate_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample and verify reference candidates and apply the query gate (`anchor_filter`), but do not put "
+            "the anchor into the group: G on-policy samples. The reviewers' 'gate without anchor' control."
+        },
+    )
+    off_policy_ratio: bool = field(
+        default=False,
+        metadata={
+            "help": "With use_mixed_ratio=False: anchor tokens use the ordinary off-policy ratio π_θ/π_ref instead of "
+            "π_θ/π_θ,old (the paper's 'Anchor Rollout + ordinary off-policy IS' ablation)."
+        },
+    )
+    mask_negative_anchor_advantage: bool = field(
+        default=False,
+        metadata={
+            "help": "An anchor never gets a negative advantage (clamped at 0; the ARMOR authors' `mask_out_neg_off`, "
+            "matters with graded rewards)."
+        },
+    )
+    anchor_reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Names of the reward functions that decide whether a reference candidate is correct (the ARMOR "
+            "authors verify on correctness alone, so e.g. a length penalty does not reject a correct anchor). "
+            "`None` = all of them."
+        },
+    )
+    anchors_per_group: int = field(
+        default=1,
+        metadata={
+            "help": "Reference samples placed in each group (the last rows of the group). 1 is the paper's setting; "
+            "G/2 gives the 'half-group' variant of small-scale reproductions. α defaults to "
+            "(G − anchors_per_group)/G."
+        },
+    )
+    anchor_loss_weight: float = field(
+        default=1.0,
+        metadata={"help": "λ: weight of the anchor tokens' loss terms (the half-group variant's anchor loss weight)."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -145,7 +246,63 @@ class ArmorConfig(GRPOConfig):
     @property
     def resolved_alpha(self) -> float:
         """α actually used: `armor_alpha`, or (G−1)/G when it is None."""
-        return default_alpha(self.num_generations) if self.armor_alpha is None else self.armor_alpha
+        if self.armor_alpha is not None:
+            return self.armor_alpha
+        return default_alpha(self.num_generations, self.anchors_per_group)
+
+    def alpha_at(self, step: int) -> float:
+        """α after ``step`` optimizer steps: the start value, rising linearly to 1 with `armor_alpha_decay_steps`."""
+        start = self.resolved_alpha
+        if self.armor_alpha_decay_steps is None:
+            return start
+        return start + (1.0 - start) * min(step / self.armor_alpha_decay_steps, 1.0)
+
+    def _check_loop_fields(self) -> None:
+        """Dynamic sampling, QAE and the ablation switches."""
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ValueError(f"dynamic_sampling_max_rounds must be an integer >= 1, got {self.dynamic_sampling_max_rounds}.")
+        if self.advantage_quantile is not None and not 0.0 <= self.advantage_quantile <= 1.0:
+            raise ValueError(f"advantage_quantile must lie in [0, 1] (or be None for the mean), got {self.advantage_quantile}.")
+        if (self.dynamic_sampling or self.advantage_quantile is not None) and (
+            self.multi_objective_aggregation != "sum_then_normalize"
+        ):
+            raise ValueError(
+                "dynamic_sampling and advantage_quantile need multi_objective_aggregation='sum_then_normalize' (they "
+                f"recompute group advantages from summed rewards), got {self.multi_objective_aggregation!r}."
+            )
+        if self.anchor_selection not in ANCHOR_SELECTIONS:
+            raise ValueError(f"anchor_selection must be one of {list(ANCHOR_SELECTIONS)}, got {self.anchor_selection!r}.")
+        if not 1 <= self.anchors_per_group < self.num_generations:
+            raise ValueError(
+                f"anchors_per_group must be at least 1 and below num_generations ({self.num_generations}), got "
+                f"{self.anchors_per_group}."
+            )
+        if self.anchor_num_samples < self.anchors_per_group:
+            raise ValueError(
+                f"anchor_num_samples ({self.anchor_num_samples}) must be at least anchors_per_group "
+                f"({self.anchors_per_group}): each anchor is one of the reference candidates."
+            )
+        if self.anchor_loss_weight < 0:
+            raise ValueError(f"anchor_loss_weight must be >= 0, got {self.anchor_loss_weight}.")
+        anchor_only = {
+            "dynamic_sampling_keep_unsolved": self.dynamic_sampling_keep_unsolved,
+            "anchor_gate_only": self.anchor_gate_only,
+            "off_policy_ratio": self.off_policy_ratio,
+        }
+        for name, value in anchor_only.items():
+            if value and not self.use_anchors:
+                raise ValueError(f"{name}=True needs use_anchors=True (it concerns the reference's anchors).")
+        if self.off_policy_ratio and self.use_mixed_ratio:
+            raise ValueError(
+                "off_policy_ratio=True is the ablation without the mixed ratio: set use_mixed_ratio=False with it."
+            )
+        if self.off_policy_ratio and self.anchor_gate_only:
+            raise ValueError("off_policy_ratio=True needs anchors in the group; it cannot be combined with anchor_gate_only.")
+        if self.anchor_cache and (self.anchor_selection != "correct" or self.anchors_per_group != 1):
+            raise ValueError(
+                "anchor_cache=True keeps one verified anchor per prompt: it needs anchor_selection='correct' and "
+                f"anchors_per_group=1 (got {self.anchor_selection!r} and {self.anchors_per_group})."
+            )
 
     def _check_armor_fields(self) -> None:
         if self.armor_alpha is not None and not 0.0 < self.armor_alpha <= 1.0:
@@ -162,10 +319,17 @@ class ArmorConfig(GRPOConfig):
             raise ValueError("anchor_cache_failures=True needs anchor_cache=True (failures are kept in the anchor cache).")
         if self.anchor_filter not in ANCHOR_FILTERS:
             raise ValueError(f"anchor_filter must be one of {list(ANCHOR_FILTERS)}, got {self.anchor_filter!r}.")
-        for name in ("ref_reset_steps", "ref_reset_every_step_until"):
+        for name in ("ref_reset_steps", "ref_reset_every_step_until", "armor_alpha_decay_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive number of optimizer steps or None, got {value}.")
+        if self.ref_reset_at_steps is not None:
+            if isinstance(self.ref_reset_at_steps, (int, str)):
+                self.ref_reset_at_steps = [int(s) for s in str(self.ref_reset_at_steps).split(",") if s.strip()]
+            if any(int(s) < 1 for s in self.ref_reset_at_steps):
+                raise ValueError(f"ref_reset_at_steps must hold positive optimizer steps, got {self.ref_reset_at_steps}.")
+            self.ref_reset_at_steps = sorted({int(s) for s in self.ref_reset_at_steps})
+        self._check_loop_fields()
         if not self.armor_enabled:
             return  # both switches off: plain GRPOTrainer, whatever GRPOConfig allows
         if self.beta != 0.0:

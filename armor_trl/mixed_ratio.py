@@ -55,9 +55,9 @@ def trust_region_bounds(
     return lower, upper
 
 
-def default_alpha(num_generations: int) -> float:
-    """α = (G−1)/G: the share of on-policy completions in a group that holds one anchor."""
-    return (num_generations - 1) / num_generations
+def default_alpha(num_generations: int, anchors_per_group: int = 1) -> float:
+    """α = (G−m)/G: the share of on-policy completions in a group that holds m anchors ((G−1)/G for one)."""
+    return (num_generations - anchors_per_group) / num_generations
 
 
 def k3_kl(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:

@@ -30,14 +30,28 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model, get_config_model_id
 
 from . import trl_seam as seam
+from .advantages import DROP_REASONS, dynamic_sampling_keep, group_advantages
 from .anchors import AnchorCache, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
 from .config import ArmorConfig
 from .mixed_ratio import k3_kl, mixed_logprobs
 from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference, latest_complete_checkpoint
+from .refill import RefillSampler, concat_rows, take_rows
 from .reward_checks import checked
 from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
 
 logger = logging.get_logger(__name__)
+
+# ArmorConfig fields of DAPO's loop and the ablations that a resumed run must share with its checkpoint.
+LOOP_FIELDS = (
+    "dynamic_sampling", "dynamic_sampling_keep_unsolved", "dynamic_sampling_max_rounds", "advantage_quantile",
+    "armor_alpha_decay_steps", "ref_reset_at_steps", "anchor_selection", "anchor_gate_only", "off_policy_ratio",
+    "mask_negative_anchor_advantage", "anchor_reward_funcs", "anchors_per_group", "anchor_loss_weight",
+)
+
+
+def group_rows(groups: list[int], group_size: int) -> list[int]:
+    """Row indices of the given groups (G consecutive rows each)."""
+    return [g * group_size + j for g in groups for j in range(group_size)]
 
 
 class ArmorGRPOTrainer(GRPOTrainer):
@@ -49,6 +63,21 @@ class ArmorGRPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "armor"]
+    # Read by TRL's model-card generator (create_model_card): cards name ARMOR and cite its paper, not DeepSeekMath.
+    _name = "ARMOR"
+    _paper = {
+        "title": "ARMOR: Anchor Rollout and Mixed Optimization for RL",
+        "id": "2607.10481",
+        "citation": (
+            "@misc{armor2026,\n"
+            "    title         = {{ARMOR: Anchor Rollout and Mixed Optimization for RL}},\n"
+            "    year          = 2026,\n"
+            "    eprint        = {2607.10481},\n"
+            "    archivePrefix = {arXiv},\n"
+            "    url           = {https://arxiv.org/abs/2607.10481},\n"
+            "}"
+        ),
+    }
 
     def __init__(
         self,
@@ -86,6 +115,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self._armor_inputs = None  # the rows of the generation round being built (anchor rounds only)
         self._armor_round = None  # anchors found in that round
         self._armor_loss_ctx = None  # reference log-probs of the micro-batch whose loss is being computed
+        self._round_rewards = None  # gathered rewards (rows, reward functions) of the round being scored
+        self._warned_short_batch = False
+        # anchor slots per group: none when the anchor only gates its group (anchor_gate_only)
+        self._anchor_slots = 0 if args.anchor_gate_only else args.anchors_per_group
         # A policy instance is copied before TRL patches its forward (a later deep copy would keep that patch).
         ref_copy = None
         if args.armor_enabled and not uses_peft and ref_model is None and not isinstance(model, str):
@@ -107,8 +140,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
+        self._refill = self._build_refill_sampler() if args.dynamic_sampling else None
         if not args.armor_enabled:
-            return  # both ablation switches off: exactly GRPOTrainer
+            return  # both ablation switches off: GRPOTrainer (plus dynamic sampling / QAE where asked for)
         self.reward_funcs = [
             func if isinstance(func, torch.nn.Module) or inspect.iscoroutinefunction(func) else checked(func, name)
             for func, name in zip(self.reward_funcs, self.reward_func_names)
@@ -116,7 +150,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self._warned_no_anchor = False
         if args.use_anchors and self._is_vlm:
             raise ValueError("use_anchors=True does not support vision-language models (multimodal prompts) yet.")
-        self.armor_alpha = args.resolved_alpha
+        self._anchor_funcs = self._anchor_func_mask(args.anchor_reward_funcs)
         if is_peft_model(self.model):
             self.reference = ReferencePolicy.lora(self.model)
         else:
@@ -125,9 +159,45 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 self.reference.synced_step = 0  # a copy of the initial policy
         self.add_callback(
             ReferenceResetCallback(
-                self.reference, self._unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until
+                self.reference, self._unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until,
+                args.ref_reset_at_steps,
             )
         )
+
+    @property
+    def armor_alpha(self) -> float:
+        """α of the mixture at the current optimizer step (constant unless `armor_alpha_decay_steps` is set)."""
+        return self.args.alpha_at(self.state.global_step)
+
+    def _anchor_func_mask(self, names) -> torch.Tensor | None:
+        """(F,) bool: the reward functions that decide whether a candidate is correct (None = all)."""
+        if names is None:
+            return None
+        unknown = sorted(set(names) - set(self.reward_func_names))
+        if unknown:
+            raise ValueError(
+                f"anchor_reward_funcs names {unknown}, which are not among this trainer's reward functions "
+                f"{self.reward_func_names}."
+            )
+        return torch.tensor([name in names for name in self.reward_func_names])
+
+    def _build_refill_sampler(self) -> RefillSampler:
+        if self._is_vlm:
+            raise ValueError("dynamic_sampling=True does not support vision-language models (multimodal prompts) yet.")
+        if self.args.per_device_train_batch_size * self.args.steps_per_generation % self.num_generations:
+            raise ValueError(
+                "dynamic_sampling=True needs per_device_train_batch_size * steps_per_generation to be a multiple of "
+                f"num_generations ({self.num_generations}), so that every group lives on one process."
+            )
+        size = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
+        if size is None:
+            if self.args.dynamic_sampling_max_rounds > 1:
+                raise ValueError(
+                    "dynamic_sampling refill draws prompts by index, which an IterableDataset cannot give: set "
+                    "dynamic_sampling_max_rounds=1 (drop without refill) or use a map-style Dataset."
+                )
+            size = 1
+        return RefillSampler(size, self.args.seed)
 
     # --- construction ------------------------------------------------------------------------------------------
     @staticmethod
@@ -201,6 +271,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"ref_model {source!r} could not be loaded as a causal LM: {error}") from error
         if args.disable_dropout:
             disable_dropout_in_model(reference)
+        if args.cast_lm_head_to_fp32:  # as GRPOTrainer casts the policy's head, so a reset copies it exactly
+            from .reference import cast_lm_head_to_fp32
+
+            cast_lm_head_to_fp32(reference)
         add_fused_lm_head(reference, temperature=self.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
         if self.is_deepspeed_enabled:
             return prepare_deepspeed(reference, self.accelerator)
@@ -219,35 +293,169 @@ class ArmorGRPOTrainer(GRPOTrainer):
         """Context in which ``_reference_model()`` computes π_ref (activates the LoRA "ref" adapter)."""
         return self.reference.active(self._unwrapped_policy())
 
-    # --- anchor rollout ----------------------------------------------------------------------------------------
+    # --- one generation batch: rounds of generation, dynamic sampling, advantages -----------------------------
     def _generate_and_score_completions(self, inputs):
-        training = self.reference is not None and self.model.training
-        self._armor_inputs = inputs if training and self.args.use_anchors else None
+        if not self.model.training:
+            return self._score_round(inputs)
+        if self._refill is not None:
+            output = self._dynamic_sampling_batch(inputs)
+        else:
+            output = self._score_round(inputs)
+            if self.args.advantage_quantile is not None:
+                keep = output["advantages"].new_ones(len(inputs) // self.num_generations, dtype=torch.bool)
+                if self._armor_round is not None and self.args.anchor_filter == "drop":
+                    keep = self._armor_round["has_anchor"].to(keep.device)
+                output["advantages"] = self._recompute_advantages(output["armor_reward"], keep)
+        output.pop("armor_reward")
+        self._armor_round = None
+        if "armor_is_anchor" in output:
+            self._shape_anchor_advantages(output)
+        return output
+
+    def _score_round(self, inputs):
+        """One generation round, scored by TRL, with ARMOR's fields added (train mode)."""
+        training = self.model.training
+        self._armor_inputs = inputs if training and self.reference is not None and self.args.use_anchors else None
         self._armor_round = None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._armor_inputs = None
-        if training:
+        if training and self.reference is not None:
             output = self._add_armor_fields(output)
-        self._armor_round = None
+        if training:
+            rows = len(inputs)
+            totals = self._total_rewards(self._round_rewards)
+            rank = self.accelerator.process_index
+            output["armor_reward"] = totals[rank * rows : (rank + 1) * rows]
+        else:
+            self._armor_round = None
         return output
 
+    def _total_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """TRL's total reward per row: weighted sum with None as 0; NaN where no function could score the row."""
+        total = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)
+        total[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+        return total
+
+    def _recompute_advantages(self, local_rewards: torch.Tensor, local_keep: torch.Tensor) -> torch.Tensor:
+        """Group advantages over all processes' rows (collective), returned for this process's rows."""
+        rewards, keep = self.accelerator.gather(local_rewards), self.accelerator.gather(local_keep)
+        advantages = group_advantages(
+            rewards, self.num_generations, self.scale_rewards, self.args.advantage_quantile, keep
+        )
+        rank, rows = self.accelerator.process_index, len(local_rewards)
+        return advantages[rank * rows : (rank + 1) * rows]
+
+    def _round_keep(self, output: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic sampling's decision for each local group of a round, and the reason of each drop."""
+        group_size = self.num_generations
+        rewards = output["armor_reward"].view(-1, group_size)
+        on_policy = torch.ones(group_size, dtype=torch.bool)
+        has_anchor, gate = None, False
+        if self._armor_round is not None:
+            on_policy[group_size - self._anchor_slots :] = False
+            has_anchor = self._armor_round["has_anchor"].to(rewards.device)
+            gate = self.args.anchor_filter == "drop"
+        return dynamic_sampling_keep(
+            rewards, on_policy, self.args.anchor_reward_threshold, has_anchor, gate,
+            self.args.dynamic_sampling_keep_unsolved,
+        )
+
+    def _dynamic_sampling_batch(self, inputs):
+        """DAPO's dynamic sampling with refill: generate rounds until the batch holds its number of kept groups."""
+        group_size, target = self.num_generations, len(inputs) // self.num_generations
+        device = self.accelerator.device
+        kept, spare, kept_groups, spare_groups = [], [], 0, 0
+        counts = torch.zeros(1 + len(DROP_REASONS), device=device)  # groups generated, dropped per reason
+        rounds = 0
+        while True:
+            output = self._score_round(inputs)
+            rounds += 1
+            keep, reasons = self._round_keep(output)
+            counts[0] += len(keep)
+            for code in DROP_REASONS:
+                counts[code] += (reasons == code).sum()
+            take = keep.nonzero().flatten().tolist()[: target - kept_groups]
+            dropped = (~keep).nonzero().flatten().tolist()[: target - spare_groups]
+            if take:
+                kept.append(take_rows(output, group_rows(take, group_size)))
+                kept_groups += len(take)
+            if dropped:
+                spare.append(take_rows(output, group_rows(dropped, group_size)))
+                spare_groups += len(dropped)
+            short = target - kept_groups
+            if rounds >= self.args.dynamic_sampling_max_rounds:
+                break
+            # generation and reward gathering are collective: every process runs the same number of rounds
+            if self.accelerator.gather(torch.tensor([short], device=device)).max().item() == 0:
+                break
+            indices = self._refill.draw(target, self.accelerator.process_index, self.accelerator.num_processes)
+            inputs = [dict(self.train_dataset[i]) for i in indices for _ in range(group_size)]
+        parts = kept
+        if short > 0:  # still short: fill the batch with dropped groups, masked out of the loss
+            filler = concat_rows(spare, seam.pad_token_id(self))
+            parts = kept + [take_rows(filler, list(range(short * group_size)))]
+        batch = concat_rows(parts, seam.pad_token_id(self))
+        keep = torch.arange(target, device=device) < kept_groups
+        batch["advantages"] = self._recompute_advantages(batch["armor_reward"], keep)
+        row_keep = keep.repeat_interleave(group_size)
+        batch["completion_mask"] = batch["completion_mask"] * row_keep.unsqueeze(1).to(batch["completion_mask"].dtype)
+        if "armor_is_anchor" in batch:
+            batch["armor_is_anchor"] = batch["armor_is_anchor"] & row_keep
+        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        self._log_dynamic_sampling(counts, rounds, short)
+        return batch
+
+    def _log_dynamic_sampling(self, counts: torch.Tensor, rounds: int, short: int) -> None:
+        generated, *dropped = self.accelerator.reduce(counts, reduction="sum").tolist()
+        short_total = int(self.accelerator.reduce(torch.tensor(float(short), device=counts.device), reduction="sum"))
+        seam.log_metric(self, "armor/generation_rounds", rounds)
+        seam.log_metric(self, "armor/prompts_per_step", generated)
+        seam.log_metric(self, "armor/groups_kept_frac", 1.0 - sum(dropped) / generated)
+        for (code, name), value in zip(DROP_REASONS.items(), dropped):
+            seam.log_metric(self, f"armor/dropped_{name}_frac", value / generated)
+        seam.log_metric(self, "armor/batch_short_groups", short_total)
+        if short_total and not self._warned_short_batch:
+            self._warned_short_batch = True
+            logger.warning(
+                f"Dynamic sampling kept too few groups after {rounds} generation rounds "
+                f"(dynamic_sampling_max_rounds={self.args.dynamic_sampling_max_rounds}): {short_total} group(s) of the "
+                "batch are masked out of the loss. armor/batch_short_groups tracks this (warned once)."
+            )
+
+    def _shape_anchor_advantages(self, output: dict) -> None:
+        """Anchor-row advantage options: never negative (`mask_negative_anchor_advantage`), weighted by λ."""
+        is_anchor = output["armor_is_anchor"].to(output["advantages"].device)
+        advantages = output["advantages"]
+        if self.args.mask_negative_anchor_advantage:
+            advantages = torch.where(is_anchor, advantages.clamp(min=0), advantages)
+        if self.args.anchor_loss_weight != 1.0:
+            # the clipped surrogate is positively homogeneous in A, so λ·A scales the anchor's loss terms by λ
+            advantages = torch.where(is_anchor, advantages * self.args.anchor_loss_weight, advantages)
+        output["advantages"] = advantages
+        if self._anchor_slots and self.args.use_anchors:
+            self._log_anchor_advantages(output, is_anchor)
+
+    # --- anchor rollout ----------------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.reference is not None:
             self._check_prompt_lengths(prompt_ids)
         if self._armor_inputs is None:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        rows, group_size = len(prompt_ids), num_generations
+        rows, group_size, slots = len(prompt_ids), num_generations, self._anchor_slots
+        firsts = list(range(0, rows, group_size))
         on_policy_ids, on_policy_logprobs = super()._generate_single_turn(
-            [prompt_ids[i] for i in policy_rows(rows, group_size)], images, multimodal_fields, group_size - 1
+            [prompt_ids[i] for i in policy_rows(rows, group_size, slots)], images, multimodal_fields, group_size - slots
         )
-        slots = anchor_rows(rows, group_size)
-        anchor_ids = self._sample_anchors([prompt_ids[i] for i in slots], [self._armor_inputs[i] for i in slots])
+        anchor_ids = self._sample_anchors([prompt_ids[i] for i in firsts], [self._armor_inputs[i] for i in firsts])
+        if not slots:  # anchor_gate_only: the anchors decided the gate and are not trained
+            return on_policy_ids, on_policy_logprobs
         logprobs = None
         if on_policy_logprobs is not None:  # vLLM: anchors were not sampled by the policy engine
-            logprobs = fill_groups(on_policy_logprobs, neutral_sampling_logprobs(anchor_ids), group_size)
-        return fill_groups(on_policy_ids, anchor_ids, group_size), logprobs
+            logprobs = fill_groups(on_policy_logprobs, neutral_sampling_logprobs(anchor_ids), group_size, slots)
+        return fill_groups(on_policy_ids, anchor_ids, group_size, slots), logprobs
 
     @contextlib.contextmanager
     def _reference_generation(self):
@@ -261,12 +469,14 @@ class ArmorGRPOTrainer(GRPOTrainer):
             yield
 
     def _sample_anchors(self, group_prompt_ids: list, group_inputs: list[dict]) -> list:
-        """Return one anchor completion per group: from the cache, or the first verified of K reference candidates.
+        """Return ``max(anchor slots, 1)`` anchors per group, group after group: from the cache, or picked from K
+        reference candidates per ``anchor_selection``.
 
-        Where no candidate is verified the group's slot still gets a candidate (so shapes stay fixed)
-        and ``_armor_round["found"]`` marks it; it is then excluded from its group.
+        Where no candidate is eligible the slot still gets a candidate (so shapes stay fixed) and
+        ``_armor_round["found"]`` marks it; it is then excluded from its group.
         """
         k, threshold = self.args.anchor_num_samples, self.args.anchor_reward_threshold
+        per_group = max(self._anchor_slots, 1)
         groups = len(group_prompt_ids)
         cached, known_failures = [None] * groups, [None] * groups
         if self.anchor_cache is not None:
@@ -288,12 +498,13 @@ class ArmorGRPOTrainer(GRPOTrainer):
         used = to_sample + retried
         sampled = used + [used[0] if used else 0] * (rounds - len(used))
 
-        anchors, rewards_out = [None] * groups, torch.full((groups,), float("nan"))
+        anchors = [[None] * per_group for _ in range(groups)]
+        rewards_out = torch.full((groups, per_group), float("nan"))
         for g in range(groups):
             if cached[g] is not None:
-                anchors[g], rewards_out[g] = cached[g]
+                anchors[g][0], rewards_out[g, 0] = cached[g]
             elif known_failures[g] is not None and g not in retried:
-                anchors[g] = known_failures[g]  # fills the slot; the group has no anchor this round
+                anchors[g][0] = known_failures[g]  # fills the slot; the group has no anchor this round
         verified_frac = torch.empty(0)
         if sampled:
             candidate_prompt_ids = [group_prompt_ids[g] for g in sampled for _ in range(k)]
@@ -304,38 +515,48 @@ class ArmorGRPOTrainer(GRPOTrainer):
             completions = seam.decode(self, candidate_ids, seam.is_conversational_prompt(prompts[0]))
             rewards = seam.score_quietly(self, candidate_inputs, prompts, completions, candidate_ids)
             weights = self.reward_weights.to(rewards.device)
-            chosen, chosen_reward = select_anchors(rewards, weights, k, threshold)
-            verified_frac = verified_mask(rewards, weights, threshold).float()[: len(used) * k]
+            chosen, chosen_reward = select_anchors(
+                rewards, weights, k, threshold, per_group, self.args.anchor_selection, self._anchor_funcs
+            )
+            verified_frac = verified_mask(rewards, weights, threshold, self._anchor_funcs).float()[: len(used) * k]
             for position, g in enumerate(used):
-                index = int(chosen[position])
-                anchors[g] = candidate_ids[position * k + max(index, 0)]
-                if index >= 0:
-                    rewards_out[g] = chosen_reward[position].item()
-                    if self.anchor_cache is not None:
-                        self.anchor_cache.put(group_prompt_ids[g], anchors[g], rewards_out[g])
-                elif self.args.anchor_cache_failures:
-                    self.anchor_cache.put_failure(group_prompt_ids[g], anchors[g])
+                for slot in range(per_group):
+                    index = int(chosen[position, slot])
+                    anchors[g][slot] = candidate_ids[position * k + max(index, 0)]
+                    if index >= 0:
+                        rewards_out[g, slot] = chosen_reward[position, slot].item()
+                if self.anchor_cache is not None:
+                    if int(chosen[position, 0]) >= 0:
+                        self.anchor_cache.put(group_prompt_ids[g], anchors[g][0], rewards_out[g, 0].item())
+                    elif self.args.anchor_cache_failures:
+                        self.anchor_cache.put_failure(group_prompt_ids[g], anchors[g][0])
         device = self.accelerator.device
+        found = ~torch.isnan(rewards_out).to(device)
         self._armor_round = {
-            "found": ~torch.isnan(rewards_out).to(device),
-            "reward": rewards_out.to(device),
+            "found": found.flatten() if self._anchor_slots else found.new_zeros(0),  # per anchor slot
+            "has_anchor": found.any(dim=1),  # per group
+            "reward": rewards_out.flatten().to(device),
             "candidates_verified": verified_frac.to(device),
             "cache_hits": torch.tensor(
                 [sum(hit is not None for hit in cached), groups], device=device, dtype=torch.float
             ),
         }
-        return anchors
+        return [ids for group in anchors for ids in group]
+
+    def _slots(self, rows: int, device) -> torch.Tensor:
+        return torch.tensor(anchor_rows(rows, self.num_generations, self._anchor_slots), device=device, dtype=torch.long)
 
     def _empty_slots(self, rows: int, device) -> torch.Tensor:
-        """Local rows whose anchor slot holds no verified anchor."""
+        """Local rows whose anchor slot holds no anchor."""
         empty = torch.zeros(rows, dtype=torch.bool, device=device)
         if self._armor_round is not None:
-            slots = torch.tensor(anchor_rows(rows, self.num_generations), device=device)
-            empty[slots[~self._armor_round["found"].to(device)]] = True
+            empty[self._slots(rows, device)[~self._armor_round["found"].to(device)]] = True
         return empty
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._round_rewards = rewards
+        self._log_anchor_column(len(prompts))
         if self._armor_round is None:
             return rewards
         rows, device = len(prompts), rewards.device
@@ -343,53 +564,67 @@ class ArmorGRPOTrainer(GRPOTrainer):
         empty = gather(self._empty_slots(rows, device).int()).bool()
         rewards[empty] = float("nan")
         is_policy = torch.ones(rows, dtype=torch.bool, device=device)
-        is_policy[anchor_rows(rows, self.num_generations)] = False
-        # Like TRL's `reward`: weighted sum with None counted as 0; rows no function could score are left out.
-        total = (rewards * self.reward_weights.to(device)).nansum(dim=1)
-        total[torch.isnan(rewards).all(dim=1)] = float("nan")
-        policy_rewards = total[is_policy.repeat(len(rewards) // rows)]
+        is_policy[self._slots(rows, device)] = False
+        policy_rewards = self._total_rewards(rewards)[is_policy.repeat(len(rewards) // rows)]
         seam.log_metric(self, "armor/policy_reward_mean", torch.nanmean(policy_rewards).item())
         return rewards
+
+    def _log_anchor_column(self, rows: int) -> None:
+        """Add an ``anchor`` column (True on anchor rows) to TRL's completions table (``log_completions``).
+
+        Written to TRL's pending extra columns, which TRL gathers across processes together with the rows' prompts
+        and completions, so it stays aligned with them. Every round writes it (all False outside anchor rounds).
+        """
+        if self.reference is None or not self.args.use_anchors or not self.log_completions:
+            return
+        is_anchor = torch.zeros(rows, dtype=torch.bool)
+        if self._armor_round is not None:
+            is_anchor[self._slots(rows, "cpu")[self._armor_round["found"].cpu()]] = True
+        self._pending_extra_logs["anchor"].extend(is_anchor.tolist())
 
     def _add_armor_fields(self, output: dict) -> dict:
         device = output["completion_ids"].device
         rows, group_size = output["completion_ids"].size(0), self.num_generations
         completion_mask = output["completion_mask"]
-        if self.args.use_mixed_ratio:
+        if self.args.use_mixed_ratio or self.args.off_policy_ratio:
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
             attention_mask = torch.cat([output["prompt_mask"], completion_mask], dim=1)
+            width, batch_size = output["completion_ids"].size(1), self.args.per_device_train_batch_size
             with torch.no_grad(), self._reference_ready():
                 output["armor_ref_logps"] = seam.per_token_logps(
-                    self,
-                    self._reference_model(),
-                    input_ids,
-                    attention_mask,
-                    output["completion_ids"].size(1),
-                    self.args.per_device_train_batch_size,
+                    self, self._reference_model(), input_ids, attention_mask, width, batch_size
                 )
         is_anchor = torch.zeros(rows, dtype=torch.bool, device=device)
         if self._armor_round is not None:
-            found = self._armor_round["found"].to(device)
-            slots = torch.tensor(anchor_rows(rows, group_size), device=device)
-            is_anchor[slots[found]] = True
+            slots = self._slots(rows, device)
+            is_anchor[slots[self._armor_round["found"].to(device)]] = True
             keep = ~self._empty_slots(rows, device)
             if self.args.anchor_filter == "drop":
-                keep &= found.repeat_interleave(group_size)
+                keep &= self._armor_round["has_anchor"].to(device).repeat_interleave(group_size)
             output["advantages"] = output["advantages"] * keep
             if "importance_sampling_ratio" in output:  # vLLM correction: anchors were sampled by π_ref, not the engine
                 output["importance_sampling_ratio"][slots] = 1.0
             output["completion_mask"] = completion_mask * keep.unsqueeze(1).to(completion_mask.dtype)
             loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-            self._log_anchor_metrics(output, found, is_anchor)
+            self._log_anchor_metrics()
+        if self.args.off_policy_ratio:
+            # ordinary off-policy IS on anchor tokens: their "old" policy is π_ref, so TRL's ratio is π_θ/π_ref
+            old = output.get("old_per_token_logps")
+            if old is None:
+                with torch.no_grad():
+                    old = seam.per_token_logps(
+                        self, self.model, input_ids, attention_mask, width, batch_size
+                    )
+            output["old_per_token_logps"] = torch.where(is_anchor.unsqueeze(1), output["armor_ref_logps"], old)
         output["armor_is_anchor"] = is_anchor
         seam.log_metric(self, "armor/ref_resets", self.reference.resets)
         return output
 
-    def _log_anchor_metrics(self, output: dict, found: torch.Tensor, is_anchor: torch.Tensor) -> None:
-        all_found = gather(found.float())
-        seam.log_metric(self, "armor/anchor_found_frac", all_found.mean().item())
-        if all_found.sum() == 0 and not self._warned_no_anchor:
+    def _log_anchor_metrics(self) -> None:
+        has_anchor = gather(self._armor_round["has_anchor"].float())
+        seam.log_metric(self, "armor/anchor_found_frac", has_anchor.mean().item())
+        if has_anchor.sum() == 0 and not self._warned_no_anchor:
             self._warned_no_anchor = True
             effect = "nothing was trained" if self.args.anchor_filter == "drop" else "groups trained without anchors"
             logger.warning(
@@ -397,7 +632,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 f"round ({effect}; anchor_filter={self.args.anchor_filter!r}). Check the reward functions and the "
                 "threshold; armor/anchor_found_frac tracks this (warned once)."
             )
-        dropped = 1.0 - all_found.mean().item() if self.args.anchor_filter == "drop" else 0.0
+        dropped = 1.0 - has_anchor.mean().item() if self.args.anchor_filter == "drop" else 0.0
         seam.log_metric(self, "armor/groups_dropped_frac", dropped)
         seam.log_metric(self, "armor/anchor_reward_mean", torch.nanmean(gather(self._armor_round["reward"])).item())
         verified = self._armor_round["candidates_verified"]
@@ -409,14 +644,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
             hits, groups = self.accelerator.reduce(self._armor_round["cache_hits"], reduction="sum").tolist()
             seam.log_metric(self, "armor/anchor_cache_hit_frac", hits / groups)
             seam.log_metric(self, "armor/anchor_cache_size", len(self.anchor_cache))
+
+    def _log_anchor_advantages(self, output: dict, is_anchor: torch.Tensor) -> None:
         lengths = output["completion_mask"].sum(dim=1).float()
-        stats = torch.stack(
-            [
-                (output["advantages"] * is_anchor).sum(),
-                (lengths * is_anchor).sum(),
-                is_anchor.sum().float(),
-            ]
-        )
+        stats = torch.stack([(output["advantages"] * is_anchor).sum(), (lengths * is_anchor).sum(), is_anchor.sum().float()])
         advantage_sum, length_sum, count = self.accelerator.reduce(stats, reduction="sum").tolist()
         seam.log_metric(self, "armor/anchor_advantage_mean", advantage_sum / count if count else math.nan)
         seam.log_metric(self, "armor/anchor_length_mean", length_sum / count if count else math.nan)
@@ -428,7 +659,13 @@ class ArmorGRPOTrainer(GRPOTrainer):
             "use_anchors", "use_mixed_ratio", "num_generations", "anchor_num_samples", "anchor_reward_threshold",
             "anchor_filter", "anchor_cache", "anchor_cache_failures", "ref_reset_steps", "ref_reset_every_step_until",
         )
-        return {"armor_alpha": self.armor_alpha, **{name: getattr(self.args, name) for name in fields}}
+        fingerprint = {"armor_alpha": self.args.resolved_alpha, **{name: getattr(self.args, name) for name in fields}}
+        # Later fields enter only when set, so checkpoints written before they existed still resume.
+        defaults = ArmorConfig.__dataclass_fields__
+        for name in LOOP_FIELDS:
+            if getattr(self.args, name) != defaults[name].default:
+                fingerprint[name] = getattr(self.args, name)
+        return fingerprint
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if self.reference is not None:
@@ -464,9 +701,15 @@ class ArmorGRPOTrainer(GRPOTrainer):
             )
         return checkpoint
 
+    def _checkpoint_dir(self, trial) -> str:
+        return os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+
     def _save_checkpoint(self, model, trial):
         if self.reference is None:
-            return super()._save_checkpoint(model, trial)
+            super()._save_checkpoint(model, trial)
+            if self._refill is not None and self.args.should_save:
+                self._refill.save(self._checkpoint_dir(trial))
+            return
         # Older checkpoints are rotated away only once this one is complete (ARMOR's state file written last), so a
         # run killed in between still has its previous complete checkpoint.
         limit = self.args.save_total_limit
@@ -475,8 +718,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
-        run_dir = self._get_output_dir(trial=trial)
-        directory = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        run_dir, directory = self._get_output_dir(trial=trial), self._checkpoint_dir(trial)
+        if self._refill is not None and self.args.should_save:
+            self._refill.save(directory)  # before the reference: its state file marks the checkpoint complete
         extra = {
             "config": self._armor_fingerprint(),
             "anchor_cache": None if self.anchor_cache is None else self.anchor_cache.state_dict(),
@@ -487,6 +731,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self._refill is not None:
+            self._refill.load(checkpoint)
         if checkpoint is None or self.reference is None:
             return
         state = self.reference.load(checkpoint, self._unwrapped_policy())
@@ -507,12 +753,20 @@ class ArmorGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         ref_logps = inputs.get("armor_ref_logps")
-        if ref_logps is None or not self.model.training:
+        if ref_logps is None or not self.args.use_mixed_ratio or not self.model.training:
             return super()._compute_loss(model, inputs)
         old_logps = inputs.get("old_per_token_logps")
         mixed_old = None if old_logps is None else mixed_logprobs(old_logps, ref_logps, self.armor_alpha)
         if mixed_old is not None:
             inputs = {**inputs, "old_per_token_logps": mixed_old}
+        sampling = inputs.get("sampling_per_token_logps")
+        if sampling is not None and self.off_policy_mask_threshold is not None:
+            # TRL's off-policy mask compares these with the (mixture) log-probs of the loss: mix them too, so it
+            # compares like with like; anchor rows (NaN: not sampled by the engine) fall back to the mixed old ones.
+            mixed_sampling = mixed_logprobs(sampling, ref_logps, self.armor_alpha)
+            if mixed_old is not None:
+                mixed_sampling = torch.where(torch.isnan(sampling), mixed_old, mixed_sampling)
+            inputs = {**inputs, "sampling_per_token_logps": mixed_sampling}
         self._armor_loss_ctx = {"ref_logps": ref_logps}
         try:
             loss = super()._compute_loss(model, inputs)

@@ -26,7 +26,7 @@ OVERRIDDEN = {
     "_load_optimizer_and_scheduler": ["checkpoint"],
 }
 # private attributes read or written (the vLLM ones exist only with use_vllm=True)
-ATTRIBUTES = ("_metrics", "_pending_extra_logs", "_pending_metrics", "model_wrapped", "use_vllm")
+ATTRIBUTES = ("_metrics", "_pending_extra_logs", "_pending_metrics", "model_wrapped", "use_vllm", "_tokenizer")
 VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
 
 SUPPORTED_TRL = ">=1.16.0,<1.17"
@@ -53,6 +53,11 @@ def engine_step(trainer: GRPOTrainer) -> int:
 
 def set_engine_step(trainer: GRPOTrainer, step: int) -> None:
     trainer._last_loaded_step = step
+
+
+def pad_token_id(trainer: GRPOTrainer) -> int:
+    """The id TRL pads prompts and completions with."""
+    return trainer._tokenizer.pad_token_id
 
 
 def log_metric(trainer: GRPOTrainer, name: str, value: float, mode: str = "train") -> None:

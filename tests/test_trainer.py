@@ -168,16 +168,39 @@ def test_candidate_scoring_stays_out_of_logs(tiny_model_path, tiny_tokenizer, pr
     assert len(trainer._logs["extra"]["tag"]) == 8
 
 
-def test_reward_none_never_makes_a_correct_anchor(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    def none_for_reference(completions, **kwargs):
+def test_a_candidate_no_reward_function_applies_to_is_never_an_anchor(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    def none_for_all(completions, **kwargs):
         return [None] * len(completions)
 
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path,
-        reward_funcs=[has_digit_reward, none_for_reference], anchor_reward_threshold=0.0, max_steps=1,
+        reward_funcs=[none_for_all, none_for_all], anchor_reward_threshold=0.0, max_steps=1,
     )
     trainer.train()
     assert logged(trainer, "armor/anchor_found_frac") == [0.0]
+
+
+def test_multi_task_rewards_returning_none_still_train(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    # TRL's multi-task convention (its test_train_multiple_reward_funcs_with_None_output): a reward function
+    # returns None for rows it does not apply to. A candidate is correct when the functions that apply reach
+    # the threshold, so anchors are found and the model trains.
+    def digits_on_even_prompts(completions, prompts, **kwargs):
+        scores = has_digit_reward(completions)
+        return [s if int(p.split("+")[0]) % 2 == 0 else None for s, p in zip(scores, prompts)]
+
+    def digits_on_odd_prompts(completions, prompts, **kwargs):
+        scores = has_digit_reward(completions)
+        return [s if int(p.split("+")[0]) % 2 == 1 else None for s, p in zip(scores, prompts)]
+
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path,
+        reward_funcs=[digits_on_even_prompts, digits_on_odd_prompts], max_steps=2,
+    )
+    before = trainable_state(trainer)
+    trainer.train()
+    assert all(value > 0 for value in logged(trainer, "armor/anchor_found_frac"))
+    after = trainable_state(trainer)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
 
 
 def test_drop_removes_groups_without_anchor(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):

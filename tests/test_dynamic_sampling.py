@@ -1,0 +1,250 @@
+"""DAPO dynamic sampling with refill, QAE and the ablation switches, on the tiny model with scripted rewards.
+
+The scripted reward makes each group's outcome known in advance: prompt ``n+…`` is solved by every sample
+when n % 3 == 0, by none when n % 3 == 1, and by every other sample (row parity) when n % 3 == 2.
+"""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from armor_trl.advantages import group_advantages
+from armor_trl.refill import RefillSampler, concat_rows, take_rows
+from conftest import has_digit_reward
+from test_resume import StopAt
+from test_trainer import logged, make_trainer, trainable_state
+
+G = 4
+
+
+def scripted(completions, prompts, **kwargs):
+    rewards = []
+    for position, prompt in enumerate(prompts):
+        n = int(prompt.split("+")[0])
+        rewards.append(1.0 if n % 3 == 0 else 0.0 if n % 3 == 1 else float(position % 2 == 0))
+    return rewards
+
+
+def numbers_dataset(numbers):
+    return Dataset.from_dict({"prompt": [f"{n}+{n + 1}=" for n in numbers], "answer": [str(2 * n + 1) for n in numbers]})
+
+
+def capture_batches(trainer):
+    """Record the inputs of each generation round and the batch each generation step trains on."""
+    rounds, batches = [], []
+    score_round, generate = trainer._score_round, trainer._generate_and_score_completions
+
+    def recording_round(inputs):
+        rounds.append([row["prompt"] for row in inputs])
+        return score_round(inputs)
+
+    def recording_batch(inputs):
+        batch = generate(inputs)
+        batches.append({k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()})
+        return batch
+
+    trainer._score_round, trainer._generate_and_score_completions = recording_round, recording_batch
+    return rounds, batches
+
+
+def kind(prompt):
+    return int(prompt.split("+")[0]) % 3
+
+
+PLAIN = dict(use_anchors=False, use_mixed_ratio=False)
+
+
+def test_groups_are_dropped_by_the_rule_and_masked_when_the_batch_stays_short(
+    tiny_model_path, tiny_tokenizer, tmp_path
+):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset(range(12)), tmp_path, reward_funcs=scripted, max_steps=3,
+        dynamic_sampling=True, dynamic_sampling_max_rounds=1, per_device_train_batch_size=12, **PLAIN,
+    )
+    rounds, batches = capture_batches(trainer)
+    trainer.train()
+    for prompts, batch in zip(rounds, batches):
+        groups = prompts[::G]
+        mixed = [p for p in groups if kind(p) == 2]
+        kept = batch["completion_mask"].view(-1, G, batch["completion_mask"].size(1)).sum(dim=(1, 2)) > 0
+        assert kept.tolist() == [True] * len(mixed) + [False] * (len(groups) - len(mixed))
+        assert batch["advantages"].view(-1, G)[~kept].abs().sum() == 0
+        assert batch["num_items_in_batch"] == batch["completion_mask"].sum()
+    n_groups = sum(len(p) // G for p in rounds)
+    correct = sum(kind(p) == 0 for prompts in rounds for p in prompts[::G]) / n_groups
+    wrong = sum(kind(p) == 1 for prompts in rounds for p in prompts[::G]) / n_groups
+    assert sum(logged(trainer, "armor/dropped_all_correct_frac")) / 3 == pytest.approx(correct)
+    assert sum(logged(trainer, "armor/dropped_all_wrong_frac")) / 3 == pytest.approx(wrong)
+    assert logged(trainer, "armor/generation_rounds") == [1.0, 1.0, 1.0]
+
+
+def test_refill_fills_the_batch_with_informative_groups(tiny_model_path, tiny_tokenizer, tmp_path):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset(range(30)), tmp_path, reward_funcs=scripted, max_steps=2,
+        dynamic_sampling=True, **PLAIN,
+    )
+    rounds, batches = capture_batches(trainer)
+    trainer.train()
+    assert all(rounds_ > 1 for rounds_ in logged(trainer, "armor/generation_rounds"))  # a third of prompts are mixed
+    assert logged(trainer, "armor/batch_short_groups") == [0.0, 0.0]
+    for batch in batches:
+        assert (batch["completion_mask"].view(-1, G, batch["completion_mask"].size(1)).sum(dim=(1, 2)) > 0).all()
+        # every kept group is a mixed one: advantages ±, not all zero
+        assert (batch["advantages"].view(-1, G).abs().sum(dim=1) > 0).all()
+
+
+def test_refill_stops_at_the_round_limit_and_never_trains_on_nothing(tiny_model_path, tiny_tokenizer, tmp_path, caplog):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset([0, 1, 3, 4, 6, 7]), tmp_path, reward_funcs=scripted,
+        max_steps=2, dynamic_sampling=True, dynamic_sampling_max_rounds=3, **PLAIN,
+    )
+    before = trainable_state(trainer)
+    rounds, batches = capture_batches(trainer)
+    trainer.train()
+    assert logged(trainer, "armor/generation_rounds") == [3.0, 3.0] and len(rounds) == 6
+    assert logged(trainer, "armor/batch_short_groups") == [2.0, 2.0]
+    assert all(batch["completion_mask"].sum() == 0 for batch in batches)
+    after = trainable_state(trainer)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # a fully masked batch moves nothing
+    assert sum("kept too few groups" in r.message for r in caplog.records) <= 1
+
+
+def test_dropped_groups_change_neither_the_loss_nor_the_gradient_of_the_kept_ones(
+    tiny_model_path, tiny_tokenizer, tmp_path
+):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset(range(12)), tmp_path, reward_funcs=scripted, max_steps=1,
+        dynamic_sampling=True, dynamic_sampling_max_rounds=1, per_device_train_batch_size=12, scale_rewards="batch",
+        **PLAIN,
+    )
+    _, batches = capture_batches(trainer)
+    trainer.train()
+    batch = batches[0]
+    kept_rows = [i for i in range(batch["completion_ids"].size(0)) if batch["completion_mask"][i].sum() > 0]
+    assert 0 < len(kept_rows) < batch["completion_ids"].size(0)
+    kept = take_rows(batch, kept_rows)
+    kept["num_items_in_batch"] = kept["completion_mask"].sum()
+    assert batch["num_items_in_batch"] == kept["num_items_in_batch"]  # dropped groups are not in the normaliser
+
+    def loss_and_grad(inputs):
+        trainer.model.zero_grad()
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    full_loss, full_grad = loss_and_grad(batch)
+    kept_loss, kept_grad = loss_and_grad(kept)
+    assert full_loss == pytest.approx(kept_loss, abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(full_grad, kept_grad))
+
+
+def test_batch_std_is_over_kept_groups_only(tiny_model_path, tiny_tokenizer, tmp_path):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset(range(12)), tmp_path, reward_funcs=scripted, max_steps=1,
+        dynamic_sampling=True, dynamic_sampling_max_rounds=1, per_device_train_batch_size=12, scale_rewards="batch",
+        **PLAIN,
+    )
+    _, batches = capture_batches(trainer)
+    trainer.train()
+    batch = batches[0]
+    kept_groups = int((batch["completion_mask"].view(-1, G, batch["completion_mask"].size(1)).sum(dim=(1, 2)) > 0).sum())
+    expected = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0] * kept_groups), G, "batch")
+    assert batch["advantages"][: kept_groups * G].tolist() == pytest.approx(expected.tolist())
+
+
+def test_the_armor_gate_drops_mixed_groups_without_an_anchor(tiny_model_path, tiny_tokenizer, tmp_path):
+    # threshold 2 cannot be reached by a 0/1 reward: no group finds an anchor, so even mixed groups are dropped
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset(range(12)), tmp_path, reward_funcs=scripted, max_steps=1,
+        dynamic_sampling=True, dynamic_sampling_max_rounds=1, per_device_train_batch_size=12,
+        anchor_reward_threshold=2.0,
+    )
+    trainer.train()
+    assert logged(trainer, "armor/groups_kept_frac") == [0.0]
+    assert logged(trainer, "armor/dropped_no_anchor_frac")[0] > 0
+
+
+def test_resume_after_refill_rounds_continues_exactly(tiny_model_path, tiny_tokenizer, tmp_path):
+    common = dict(
+        reward_funcs=scripted, max_steps=4, dynamic_sampling=True, save_strategy="steps", save_steps=2,
+        anchor_num_samples=2,
+    )
+    dataset = numbers_dataset(range(30))
+    straight = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "straight", **common)
+    straight.train()
+    interrupted = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "cut", **common)
+    interrupted.add_callback(StopAt(2))
+    interrupted.train()
+    assert interrupted._refill.drawn > 0 and (tmp_path / "cut" / "checkpoint-2" / "armor_refill.json").exists()
+    resumed = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "cut", **common)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed._refill.drawn == straight._refill.drawn
+    a, b = trainable_state(straight), trainable_state(resumed)
+    assert max((a[n] - b[n]).abs().max().item() for n in a) == 0.0
+
+
+def test_alpha_decays_linearly_to_one(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, armor_alpha_decay_steps=4)
+    seen = []
+    for step in (0, 1, 2, 4, 8):
+        trainer.state.global_step = step
+        seen.append(trainer.armor_alpha)
+    assert seen == pytest.approx([0.75, 0.8125, 0.875, 1.0, 1.0])
+
+
+def test_reference_resets_at_the_listed_steps(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=4, ref_reset_at_steps=[1, 3],
+        anchor_reward_threshold=0.0,
+    )
+    trainer.train()
+    assert trainer.reference.resets == 2 and trainer.reference.last_reset_step == 3
+
+
+def test_gate_only_keeps_g_on_policy_samples_and_no_anchor(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1, anchor_gate_only=True,
+        use_mixed_ratio=False, reward_funcs=has_digit_reward,
+    )
+    _, batches = capture_batches(trainer)
+    trainer.train()
+    assert not batches[0]["armor_is_anchor"].any()
+    assert logged(trainer, "armor/anchor_found_frac")  # candidates were sampled and verified for the gate
+
+
+def test_half_group_variant_places_several_anchors_and_weights_their_loss(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1, anchors_per_group=2,
+        anchor_selection="any", anchor_loss_weight=0.5, mask_negative_anchor_advantage=True,
+        reward_funcs=has_digit_reward,
+    )
+    assert trainer.armor_alpha == 0.5  # (G − 2) / G
+    _, batches = capture_batches(trainer)
+    trainer.train()
+    batch = batches[0]
+    assert batch["armor_is_anchor"].view(-1, G).tolist() == [[False, False, True, True]] * (len(batch["armor_is_anchor"]) // G)
+    assert (batch["advantages"][batch["armor_is_anchor"]] >= 0).all()
+
+
+def test_refill_sampler_is_seeded_resumable_and_shares_the_stream_between_processes():
+    a, b = RefillSampler(10, seed=3), RefillSampler(10, seed=3)
+    first = a.draw(4, process_index=0, num_processes=2)
+    second = b.draw(4, process_index=1, num_processes=2)
+    assert not set(first) & set(second)  # one permutation, split between processes
+    resumed = RefillSampler(10, seed=3)
+    resumed.load_state_dict(a.state_dict())
+    assert resumed.draw(4) == a.draw(4)
+    with pytest.raises(ValueError, match="same training data and seed"):
+        RefillSampler(11, seed=3).load_state_dict(a.state_dict())
+
+
+def test_concat_rows_repads_prompts_left_and_completions_right():
+    one = {"prompt_ids": torch.tensor([[5, 6]]), "prompt_mask": torch.ones(1, 2), "completion_ids": torch.tensor([[7]]),
+           "completion_mask": torch.ones(1, 1), "advantages": torch.tensor([1.0])}
+    two = {"prompt_ids": torch.tensor([[4, 5, 6]]), "prompt_mask": torch.ones(1, 3),
+           "completion_ids": torch.tensor([[7, 8]]), "completion_mask": torch.ones(1, 2), "advantages": torch.tensor([2.0])}
+    joined = concat_rows([one, two], pad_token_id=0)
+    assert joined["prompt_ids"].tolist() == [[0, 5, 6], [4, 5, 6]] and joined["prompt_mask"][0].tolist() == [0, 1, 1]
+    assert joined["completion_ids"].tolist() == [[7, 0], [7, 8]] and joined["completion_mask"][0].tolist() == [1, 0]
