@@ -304,6 +304,10 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
     if not script_args.dataset_name:
         raise ValueError("dataset_name is required (a registry name, hub id, local file or 'arithmetic').")
     rewards = resolve_rewards(script_args.reward_funcs)
+    if script_args.val_every_steps > 0:
+        from .evaluation import check_k
+
+        check_k(script_args.val_k, script_args.val_num_samples, "val_k", "val_num_samples")
     weights = training_args.reward_weights
     if weights is not None and len(weights) != len(rewards):
         raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(rewards)} reward functions.")
@@ -386,7 +390,8 @@ def build_trainer(script_args, training_args, model_args, callbacks=(), run_name
         trainer = GRPOTrainer(**kwargs)
     if script_args.val_every_steps > 0:
         verifier = rewards[0] if len(rewards) == 1 else _first_verifier(rewards)
-        trainer.add_callback(validation_callback(script_args, training_args, held_out, verifier, run_name, on_evaluate))
+        # attached (not appended), so it logs through the trainer and every report_to integration gets val/*
+        validation_callback(script_args, training_args, held_out, verifier, run_name, on_evaluate).attach(trainer)
     return trainer
 
 
@@ -418,34 +423,60 @@ def train_main(argv: list[str]) -> int:
     return 0
 
 
+def _load_model(path: str):
+    """Tokenizer and causal LM from ``--model``; a ValueError with a one-line reason when it cannot be loaded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+    if looks_local and not os.path.exists(os.path.expanduser(path)):
+        raise ValueError(f"--model {path!r}: no such file or directory.")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"--model {path!r} is a folder without config.json: not a saved model.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    except (OSError, ValueError, KeyError) as error:
+        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ValueError(f"--model {path!r} could not be loaded as a causal LM: {reason}") from error
+    return tokenizer, model
+
+
 def eval_main(argv: list[str]) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import TrlParser
 
-    from .evaluation import evaluate
+    from .evaluation import NothingJudgedError, check_k, describe_unjudged, evaluate
     from .rewards import resolve_reward
 
     try:
         (args,) = TrlParser((EvalArguments,), prog="armor-trl eval").parse_args_and_config(argv)
         if not args.model or not args.dataset:
             raise ValueError("--model and --dataset are required.")
+        check_k(args.k, args.num_samples, "--k", "--num_samples")  # before any model is loaded or sample drawn
         split = args.split or ("test" if args.dataset == "arithmetic" else None)
         _, dataset = load_datasets(args, None, args.dataset, "train", split, args.dataset_config, max_eval=args.limit)
         verifier = resolve_reward(args.reward or ("exact_integer" if args.dataset == "arithmetic" else "math_verify"))
+        tokenizer, model = _load_model(args.model)
     except (ValueError, OSError) as error:
         print(f"armor-trl eval: error: {error}", file=sys.stderr)
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
     if torch.cuda.is_available():
         model = model.to("cuda")
-    result = evaluate(model, tokenizer, dataset, verifier, k=args.k, num_samples=args.num_samples,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                      batch_size=args.batch_size, seed=args.seed)
+    try:
+        result = evaluate(model, tokenizer, dataset, verifier, k=args.k, num_samples=args.num_samples,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          batch_size=args.batch_size, seed=args.seed)
+    except NothingJudgedError as error:
+        print(f"armor-trl eval: error: {error}", file=sys.stderr)
+        return 2
     n = result["num_samples"]
-    print(f"{args.model} on {args.dataset} ({result['num_problems']} problems, n={n}): "
+    judged = result["num_problems"]
+    counted = f"{judged} problems" if judged == result["num_total"] else f"{judged} of {result['num_total']} problems"
+    print(f"{args.model} on {args.dataset} ({counted}, n={n}): "
           f"avg@{n} = {result[f'avg@{n}']:.4f}, pass@{args.k} = {result[f'pass@{args.k}']:.4f}")
+    left_out = describe_unjudged(result)
+    if left_out:
+        print(f"  {left_out}" + (f" (listed under 'unjudged' in {args.output})" if args.output else ""))
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:

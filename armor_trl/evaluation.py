@@ -6,7 +6,8 @@
   scores with a verifier in TRL's reward signature (:mod:`armor_trl.rewards`).
 * :class:`ValidationCallback` evaluates every N optimizer steps on a held-out set during training and logs
   ``val/avg@k``, ``val/pass@k`` and ``val/reward_gap`` (training reward minus validation accuracy, the
-  reward–validation gap ARMOR targets) through the trainer's logging, and optionally to a JSONL file.
+  reward–validation gap ARMOR targets) through the trainer's logging, so every ``report_to`` integration gets
+  them, and optionally to a JSONL file.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
+from transformers.utils import logging
 
 from .rewards import completion_text
+
+logger = logging.get_logger(__name__)
 
 # Training-reward log keys, in order of preference: ARMOR's on-policy reward (TRL's `reward` includes anchors).
 TRAIN_REWARD_KEYS = ("armor/policy_reward_mean", "reward")
@@ -91,17 +96,71 @@ def sample_completions(
     return results
 
 
-def score(completions: list[list[str]], dataset, verifier: Callable, threshold: float = 1.0) -> list[int | None]:
-    """Correct samples per problem: the verifier's reward ≥ ``threshold``; ``None`` where it cannot judge."""
+# Why a problem could not be judged (the keys of ``evaluate()``'s ``unjudged_reasons``).
+UNJUDGED_REASONS = {
+    "no_ground_truth": "no ground truth (the answer/solution column is missing or empty)",
+    "verifier_cannot_judge": "the verifier returned None for every sample (it cannot judge this ground truth, e.g. "
+    "one it cannot parse)",
+    "verifier_cannot_judge_some": "the verifier returned None for some of the samples",
+}
+GROUND_TRUTH_COLUMNS = ("answer", "solution")
+
+
+class NothingJudgedError(ValueError):
+    """The verifier could judge none of the problems, so there is no avg@k or pass@k to report."""
+
+
+def _unjudged_reason(row: dict, rewards: list) -> str | None:
+    unjudged = sum(r is None for r in rewards)
+    if not unjudged:
+        return None
+    if not any(row.get(c) is not None and str(row[c]).strip() for c in GROUND_TRUTH_COLUMNS):
+        return "no_ground_truth"
+    return "verifier_cannot_judge" if unjudged == len(rewards) else "verifier_cannot_judge_some"
+
+
+def score_with_reasons(
+    completions: list[list[str]], dataset, verifier: Callable, threshold: float = 1.0
+) -> tuple[list[int | None], list[str | None]]:
+    """Correct samples per problem (the verifier's reward ≥ ``threshold``) and, where a problem cannot be judged
+    (any sample scored ``None``), its count is ``None`` and its reason a key of :data:`UNJUDGED_REASONS`."""
     columns = {c: dataset[c] for c in dataset.column_names if c not in ("prompt", "completion")}
     counts: list[int | None] = []
+    reasons: list[str | None] = []
     for i, samples in enumerate(completions):
         conversational = not isinstance(dataset[i]["prompt"], str)
         batch = [[{"role": "assistant", "content": s}] if conversational else s for s in samples]
         kwargs = {c: [values[i]] * len(samples) for c, values in columns.items()}
         rewards = verifier(batch, prompts=[dataset[i]["prompt"]] * len(samples), **kwargs)
-        counts.append(None if any(r is None for r in rewards) else sum(float(r) >= threshold for r in rewards))
-    return counts
+        reason = _unjudged_reason({c: values[i] for c, values in columns.items()}, rewards)
+        reasons.append(reason)
+        counts.append(None if reason else sum(float(r) >= threshold for r in rewards))
+    return counts, reasons
+
+
+def score(completions: list[list[str]], dataset, verifier: Callable, threshold: float = 1.0) -> list[int | None]:
+    """Correct samples per problem: the verifier's reward ≥ ``threshold``; ``None`` where it cannot judge."""
+    return score_with_reasons(completions, dataset, verifier, threshold)[0]
+
+
+def check_k(k: int, num_samples: int | None, k_name: str = "k", n_name: str = "num_samples") -> int:
+    """The number of samples per problem n (``num_samples``, default k); a ValueError unless 1 <= k <= n."""
+    if k < 1:
+        raise ValueError(f"{k_name} must be >= 1, got {k}.")
+    n = k if num_samples is None else num_samples
+    if n < k:
+        raise ValueError(f"{n_name} ({n}) must be >= {k_name} ({k}): pass@k needs at least k samples per problem.")
+    return n
+
+
+def describe_unjudged(result: dict) -> str:
+    """One line on the problems ``evaluate()`` left out and why ('' when none were)."""
+    if not result.get("num_unjudged"):
+        return ""
+    why = "; ".join(f"{count} {UNJUDGED_REASONS.get(reason, reason)}"
+                    for reason, count in result["unjudged_reasons"].items())
+    return (f"{result['num_unjudged']} of {result['num_total']} problems left out because they could not be judged: "
+            f"{why}")
 
 
 def evaluate(
@@ -119,26 +178,40 @@ def evaluate(
 ) -> dict:
     """avg@n and pass@k of ``model`` on ``dataset`` (columns ``prompt``, ``answer``, ...) with ``verifier``.
 
-    ``num_samples`` (n, default k) completions are drawn per problem; avg is their mean accuracy, pass@k the
-    unbiased estimator. Problems the verifier cannot judge are left out (counted in ``num_unjudged``).
+    ``num_samples`` (n, default k; must be >= k, checked before generating) completions are drawn per problem;
+    avg is their mean accuracy, pass@k the unbiased estimator. Problems the verifier cannot judge (a sample
+    scored ``None``) are left out of both and reported: ``num_problems`` counts the judged ones, ``num_total``
+    all, ``num_unjudged`` the difference, ``unjudged_reasons`` counts per reason (:data:`UNJUDGED_REASONS`)
+    and ``unjudged`` lists each left-out problem (index, reason, ground truth).
     With ``seed`` sampling is reproducible and leaves the global RNG state as it was.
     """
-    n = num_samples or k
+    n = check_k(k, num_samples)
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
         completions = sample_completions(
             model, tokenizer, dataset["prompt"], n, max_new_tokens, temperature, top_p, batch_size
         )
-    counts = score(completions, dataset, verifier)
+    counts, reasons = score_with_reasons(completions, dataset, verifier)
     judged = [c for c in counts if c is not None]
+    reason_counts = dict(Counter(reason for reason in reasons if reason is not None))
     if not judged:
-        raise ValueError("The verifier could judge none of the problems (is the ground-truth column missing?).")
+        why = "; ".join(f"{count} {UNJUDGED_REASONS[reason]}" for reason, count in reason_counts.items())
+        raise NothingJudgedError(f"The verifier could judge none of the {len(counts)} problems ({why}). Is the "
+                                 "ground-truth column missing, or the verifier the wrong one for this dataset?")
+    truth_column = next((c for c in GROUND_TRUTH_COLUMNS if c in dataset.column_names), None)
     return {
         f"avg@{n}": sum(c / n for c in judged) / len(judged),
         f"pass@{k}": sum(pass_at_k(n, c, k) for c in judged) / len(judged),
         "num_problems": len(judged),
+        "num_total": len(counts),
         "num_unjudged": len(counts) - len(judged),
+        "unjudged_reasons": reason_counts,
+        "unjudged": [
+            {"index": i, "reason": reason, "ground_truth": dataset[i][truth_column] if truth_column else None}
+            for i, reason in enumerate(reasons)
+            if reason is not None
+        ],
         "num_samples": n,
         "correct_counts": counts,
         "samples": [[completion_text(s) for s in group[:2]] for group in completions[:4]],
@@ -148,11 +221,21 @@ def evaluate(
 class ValidationCallback(TrainerCallback):
     """Evaluate on a held-out set every ``every_steps`` optimizer steps (and before training) and log the results.
 
-    The values are added to the trainer's log at the step they were measured (``val/avg@k``, ``val/pass@k``,
-    ``val/reward_gap`` = training reward − ``val/avg@k``, with the training reward taken from
-    :data:`TRAIN_REWARD_KEYS`), so they reach ``trainer.state.log_history`` and the reporting integrations;
-    each record is also kept in ``self.history`` and appended to ``jsonl_path`` if given. Evaluation runs on the
-    main process only (it is not sharded across processes).
+    Attach it with :meth:`attach` (``ValidationCallback(...).attach(trainer)``, or pass ``trainer=``): the values
+    (``val/avg@n``, ``val/pass@k``, ``val/reward_gap`` = training reward − ``val/avg@n``, with the training reward
+    taken from :data:`TRAIN_REWARD_KEYS` of the same step's log) are then logged through the trainer's own
+    ``log()`` as one entry at the step they were measured, after that step's training log. Every callback's
+    ``on_log`` sees them, so they reach each ``report_to`` integration (wandb, trackio, tensorboard, ...) and
+    ``trainer.state.log_history`` once. ``transformers.Trainer.log`` is called, not TRL's ``GRPOTrainer.log``,
+    which would average and clear the training metrics buffered for the step's own log.
+
+    Passed in ``callbacks=[...]`` without a trainer it still works, but it runs after the reporting integrations
+    (transformers puts them first): the values are then merged into the step's log entry in ``log_history`` and
+    reach no reporter (warned once at the start of training when ``report_to`` names one).
+
+    The evaluation before training (step 0) is kept in ``self.history`` and the JSONL file only. Each record is
+    kept in ``self.history`` and appended to ``jsonl_path`` if given. Evaluation runs on the main process only (it
+    is not sharded across processes).
     """
 
     def __init__(
@@ -170,15 +253,29 @@ class ValidationCallback(TrainerCallback):
         jsonl_path: str | None = None,
         run_name: str | None = None,
         on_evaluate: Callable[[dict], None] | None = None,
+        trainer: Trainer | None = None,
     ):
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, got {every_steps}")
         self.eval_dataset, self.verifier, self.every_steps = eval_dataset, verifier, every_steps
-        self.k, self.num_samples = k, num_samples or k
+        self.k, self.num_samples = k, check_k(k, num_samples)
         self.generation = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size)
         self.seed, self.jsonl_path, self.run_name, self.on_evaluate = seed, jsonl_path, run_name, on_evaluate
         self.history: list[dict] = []
         self._pending: dict | None = None
+        self._logging = False  # inside our own trainer.log call
+        self.trainer: Trainer | None = None
+        if trainer is not None:
+            self.attach(trainer)
+
+    def attach(self, trainer: Trainer) -> ValidationCallback:
+        """Log through ``trainer`` (so every reporter gets the values) and add this callback to it if needed."""
+        if not isinstance(trainer, Trainer):
+            raise ValueError(f"trainer must be a transformers.Trainer (e.g. a GRPOTrainer), got {type(trainer).__name__}.")
+        self.trainer = trainer
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        return self
 
     def _evaluate(self, state, model, tokenizer) -> dict:
         result = evaluate(
@@ -214,24 +311,38 @@ class ValidationCallback(TrainerCallback):
                 "DeepSpeed ZeRO-3, which shards the weights. Use ZeRO-2 or DDP, or set val_every_steps 0 and "
                 "evaluate saved checkpoints with `armor-trl eval`."
             )
+        reporters = [r for r in (getattr(args, "report_to", None) or []) if r != "none"]
+        if self.trainer is None and reporters and state.is_world_process_zero:
+            logger.warning(
+                f"ValidationCallback was passed without its trainer: val/* metrics go to trainer.state.log_history "
+                f"and the JSONL file but not to report_to={reporters}. Use ValidationCallback(...).attach(trainer) "
+                "(or trainer=...) instead of callbacks=[...] so every reporter gets them."
+            )
         if state.is_world_process_zero and state.global_step == 0:
             self._record(0, self._evaluate(state, model, processing_class), None)
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if state.global_step % self.every_steps == 0 or state.global_step == state.max_steps:
-            # Log this step on every process (logging gathers the loss across processes), so the values land at
-            # the step they were measured.
+            # Log this step on every process (logging gathers the loss across processes): the training log of the
+            # step carries the training reward the gap is measured against, and the values follow it at this step.
             control.should_log = True
             if state.is_world_process_zero:
                 self._pending = self._evaluate(state, model, processing_class)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self._pending is None or logs is None:
+        if self._pending is None or logs is None or self._logging:
             return
         record = self._record(state.global_step, self._pending, logs)
         self._pending = None
         values = {key: value for key, value in record.items() if key.startswith("val/")}
-        logs.update(values)  # seen by the callbacks after this one (put it first to reach every reporter)
+        if self.trainer is not None:
+            self._logging = True
+            try:
+                Trainer.log(self.trainer, values)  # its own log_history entry, seen by every callback's on_log
+            finally:
+                self._logging = False
+            return
+        logs.update(values)  # seen only by the callbacks after this one (the reporters come before it)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(values)

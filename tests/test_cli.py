@@ -149,9 +149,59 @@ def test_eval_command(tiny_model_path, tmp_path, capsys):
     assert main(["eval", "--model", tiny_model_path, "--dataset", "arithmetic", "--arithmetic_eval_size", "6",
                  "--k", "2", "--num_samples", "3", "--max_new_tokens", "4", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["num_problems"] == 6 and 0.0 <= result["avg@3"] <= result["pass@2"] <= 1.0
-    assert "avg@3 =" in capsys.readouterr().out
+    assert result["num_problems"] == result["num_total"] == 6 and result["num_unjudged"] == 0
+    assert 0.0 <= result["avg@3"] <= result["pass@2"] <= 1.0
+    printed = capsys.readouterr().out
+    assert "(6 problems, n=3)" in printed and "avg@3 =" in printed and "left out" not in printed
     assert main(["eval", "--dataset", "arithmetic"]) == 2
+
+
+@pytest.mark.parametrize("model", ["missing", "empty_folder", "hub_id"])
+def test_eval_with_a_model_that_cannot_be_loaded_is_a_one_line_error(model, tmp_path, capsys):
+    path = {"missing": str(tmp_path / "no-such-checkpoint"), "hub_id": "no-such-org/no-such-model",
+            "empty_folder": str(tmp_path)}[model]
+    assert main(["eval", "--model", path, "--dataset", "arithmetic", "--arithmetic_eval_size", "2", "--k", "1"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"armor-trl eval: error: --model {path!r}")
+    assert "Traceback" not in err
+
+
+def test_eval_refuses_fewer_samples_than_k_before_generating(tiny_model_path, monkeypatch, capsys):
+    import armor_trl.cli
+    import armor_trl.evaluation
+
+    def never(*args, **kwargs):
+        raise AssertionError("nothing may be loaded or generated before the flags are checked")
+
+    monkeypatch.setattr(armor_trl.cli, "_load_model", never)
+    monkeypatch.setattr(armor_trl.evaluation, "sample_completions", never)
+    assert main(["eval", "--model", tiny_model_path, "--dataset", "arithmetic", "--k", "4", "--num_samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "armor-trl eval: error: --num_samples (2) must be >= --k (4)" in err
+
+
+def test_eval_says_how_many_problems_it_dropped_and_why(tiny_model_path, tmp_path, capsys):
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2=", "answer": "four"},
+            {"prompt": "3+2=", "answer": "5"}, {"prompt": "4+2=", "answer": "1/2"}]
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", tiny_model_path, "--dataset", str(data), "--reward", "exact_integer", "--k", "1",
+                 "--num_samples", "2", "--max_new_tokens", "3", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "(2 of 4 problems, n=2)" in printed
+    assert ("2 of 4 problems left out because they could not be judged: 2 the verifier returned None for every "
+            "sample") in printed
+    result = json.loads(out.read_text())
+    assert (result["num_problems"], result["num_total"], result["num_unjudged"]) == (2, 4, 2)
+    assert result["unjudged_reasons"] == {"verifier_cannot_judge": 2}
+    assert [(u["index"], u["ground_truth"]) for u in result["unjudged"]] == [(1, "four"), (3, "1/2")]
+
+
+def test_train_dry_run_refuses_fewer_validation_samples_than_val_k(recipe, cwd, capsys):
+    assert main(["train", "--config", str(recipe), "--dry_run", "--val_k", "4", "--val_num_samples", "2"]) == 2
+    assert "val_num_samples (2) must be >= val_k (4)" in capsys.readouterr().err
 
 
 def test_usage_and_module_entry_point():

@@ -12,7 +12,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from armor_trl.evaluation import ValidationCallback, evaluate, pass_at_k, sample_completions
+from armor_trl.evaluation import NothingJudgedError, ValidationCallback, evaluate, pass_at_k, sample_completions
 from armor_trl.rewards import exact_integer_reward
 from conftest import cpu_args, has_digit_reward
 
@@ -76,14 +76,39 @@ def test_evaluate_counts_exactly(tiny_tokenizer):
     assert model.training  # mode restored
 
 
-def test_evaluate_skips_unjudgeable_problems(tiny_tokenizer):
-    dataset = Dataset.from_dict({"prompt": ["1+1=", "2+2="], "answer": ["2", None]})
-    model = ScriptedModel(tiny_tokenizer, {"1+1=": 1, "2+2=": 1})
-    result = evaluate(model, tiny_tokenizer, dataset, exact_integer_reward, k=1, num_samples=2)
-    assert result["correct_counts"] == [1, None]
-    assert result["avg@2"] == 0.5 and result["num_unjudged"] == 1
-    with pytest.raises(ValueError, match="judge none"):
+def test_evaluate_skips_unjudgeable_problems_and_says_which_and_why(tiny_tokenizer):
+    prompts = ["1+1=", "2+2=", "3+3=", "4+4="]
+    # a missing answer, an answer the verifier cannot read (not an integer), and a verifier that gives up on one sample
+    dataset = Dataset.from_dict({"prompt": prompts, "answer": ["2", None, "six", "8"]})
+    model = ScriptedModel(tiny_tokenizer, dict.fromkeys(prompts, 1))
+
+    def flaky_on_the_last(completions, **kwargs):
+        rewards = exact_integer_reward(completions, **kwargs)
+        return rewards if kwargs["prompts"][0] != "4+4=" else rewards[:-1] + [None]
+
+    result = evaluate(model, tiny_tokenizer, dataset, flaky_on_the_last, k=1, num_samples=2)
+    assert result["correct_counts"] == [1, None, None, None]
+    assert result["avg@2"] == 0.5
+    assert (result["num_problems"], result["num_total"], result["num_unjudged"]) == (1, 4, 3)
+    assert result["unjudged_reasons"] == {"no_ground_truth": 1, "verifier_cannot_judge": 1,
+                                          "verifier_cannot_judge_some": 1}
+    assert result["unjudged"] == [
+        {"index": 1, "reason": "no_ground_truth", "ground_truth": None},
+        {"index": 2, "reason": "verifier_cannot_judge", "ground_truth": "six"},
+        {"index": 3, "reason": "verifier_cannot_judge_some", "ground_truth": "8"},
+    ]
+    with pytest.raises(NothingJudgedError, match="could judge none of the 1 problems .1 no ground truth"):
         evaluate(model, tiny_tokenizer, dataset.select([1]), exact_integer_reward, k=1)
+
+
+def test_fewer_samples_than_k_is_refused_before_generating(tiny_tokenizer):
+    dataset = Dataset.from_dict({"prompt": ["1+1="], "answer": ["2"]})
+    model = ScriptedModel(tiny_tokenizer, {"1+1=": 1})
+    with pytest.raises(ValueError, match=r"num_samples \(2\) must be >= k \(4\)"):
+        evaluate(model, tiny_tokenizer, dataset, exact_integer_reward, k=4, num_samples=2)
+    assert model.calls == []
+    with pytest.raises(ValueError, match=r"num_samples \(2\) must be >= k \(4\)"):
+        ValidationCallback(dataset, exact_integer_reward, every_steps=1, k=4, num_samples=2)
 
 
 def test_sampling_with_a_real_model_is_reproducible(tiny_model_path, tiny_tokenizer, chat_dataset):
@@ -100,24 +125,68 @@ def test_sampling_with_a_real_model_is_reproducible(tiny_model_path, tiny_tokeni
     assert all(len(set(group)) == 1 and len(group) == 3 for group in greedy)
 
 
-def test_validation_callback_logs_through_the_trainer(tiny_model_path, prompt_dataset, tmp_path):
+def _train_with_validation(tiny_model_path, prompt_dataset, tmp_path, attach=True, **overrides):
     held_out = prompt_dataset.select(range(8))
     jsonl = tmp_path / "val.jsonl"
     callback = ValidationCallback(held_out, has_digit_reward, every_steps=1, k=2, num_samples=2, max_new_tokens=4,
                                   jsonl_path=str(jsonl), run_name="unit")
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), **cpu_args(max_steps=2))
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **cpu_args(max_steps=2, **overrides))
     trainer = GRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=args,
-                          train_dataset=prompt_dataset, callbacks=[callback])
+                          train_dataset=prompt_dataset, callbacks=None if attach else [callback])
+    if attach:
+        assert callback.attach(trainer) is callback
     trainer.train()
+    return trainer, callback, [json.loads(line) for line in jsonl.read_text().splitlines()]
+
+
+def test_validation_callback_logs_through_the_trainer(tiny_model_path, prompt_dataset, tmp_path):
+    trainer, callback, records = _train_with_validation(tiny_model_path, prompt_dataset, tmp_path)
+    history = trainer.state.log_history
+    logged = [entry for entry in history if "val/avg@2" in entry]
+    assert [entry["step"] for entry in logged] == [1, 2]  # once per evaluation, in its own entry
+    for entry in logged:
+        training = [e for e in history if e["step"] == entry["step"] and "reward" in e]
+        assert len(training) == 1 and "val/avg@2" not in training[0]
+        assert history.index(training[0]) < history.index(entry)  # after the step's own training log
+        assert 0.0 <= entry["val/pass@2"] <= 1.0
+        assert entry["val/reward_gap"] == pytest.approx(training[0]["reward"] - entry["val/avg@2"])
+    # TRL's per-step metrics are still averaged into the step's training log, not swallowed by the validation log
+    assert all("reward" in e and "completions/mean_length" in e for e in history if "loss" in e)
+    assert [r["step"] for r in records] == [0, 1, 2] and all(r["run"] == "unit" for r in records)
+    step_one_reward = next(e["reward"] for e in history if e["step"] == 1 and "reward" in e)
+    assert "train_reward" not in records[0] and records[1]["train_reward"] == step_one_reward
+    assert callback.history == records
+    assert [{k: v for k, v in r.items() if k.startswith("val/")} for r in records[1:]] == [
+        {k: v for k, v in e.items() if k.startswith("val/")} for e in logged]
+
+
+def test_validation_metrics_reach_tensorboard(tiny_model_path, prompt_dataset, tmp_path):
+    """Read the event files back: the reporter got val/* at the steps they were measured, once each."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer, _, records = _train_with_validation(tiny_model_path, prompt_dataset, tmp_path, report_to="tensorboard")
+    event_dirs = {path.parent for path in (tmp_path / "out").rglob("events.out.tfevents.*")}
+    assert len(event_dirs) == 1
+    events = EventAccumulator(str(event_dirs.pop()))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    val_tags = [tag for tag in tags if tag.endswith("val/avg@2")]  # transformers writes it as train/val/avg@2
+    assert len(val_tags) == 1, f"val/avg@2 did not reach tensorboard; its scalars: {tags}"
+    scalars = events.Scalars(val_tags[0])
+    assert [s.step for s in scalars] == [1, 2]
+    assert [s.value for s in scalars] == pytest.approx([r["val/avg@2"] for r in records[1:]])
+    assert any(tag.endswith("val/pass@2") for tag in tags) and any(tag.endswith("val/reward_gap") for tag in tags)
+    assert any(tag.endswith("/reward") for tag in tags)  # TRL's own metrics still reach it
+
+
+def test_validation_callback_without_its_trainer_still_records(tiny_model_path, prompt_dataset, tmp_path):
+    """Passed in callbacks=[...] (no trainer to log through): the values are merged into the step's entry."""
+    trainer, callback, records = _train_with_validation(tiny_model_path, prompt_dataset, tmp_path, attach=False)
     logged = [entry for entry in trainer.state.log_history if "val/avg@2" in entry]
     assert [entry["step"] for entry in logged] == [1, 2]
     for entry in logged:
-        assert 0.0 <= entry["val/pass@2"] <= 1.0
         assert entry["val/reward_gap"] == pytest.approx(entry["reward"] - entry["val/avg@2"])
-    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2] and all(r["run"] == "unit" for r in records)
-    assert "train_reward" not in records[0] and records[1]["train_reward"] == logged[0]["reward"]
-    assert callback.history == records
+    assert [r["step"] for r in records] == [0, 1, 2] and callback.history == records
 
 
 def test_validation_callback_refuses_zero3_instead_of_hanging():
