@@ -1,0 +1,88 @@
+"""Dynamic sampling with refill in one process of a multi-process run (launched by tests/test_multiprocess_dynamic_sampling.py).
+
+Writes ``rank<N>.json`` with what this process saw: the prompts of every generation round it scored, which groups
+of its final batches were kept, its final weights' checksum and the log history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+
+from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
+from test_dynamic_sampling import scripted  # noqa: E402
+
+
+class Recording(ArmorGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        self.round_prompts, self.batches = [], []
+        super().__init__(*args, **kwargs)
+
+    def _score_round(self, inputs):
+        self.round_prompts.append([row["prompt"] for row in inputs][:: self.num_generations])
+        return super()._score_round(inputs)
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            mask = batch["completion_mask"].view(-1, self.num_generations, batch["completion_mask"].size(1))
+            self.batches.append({"step": self.state.global_step + 1, "kept": (mask.sum(dim=(1, 2)) > 0).tolist()})
+        return batch
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.step and state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stop_at", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    cli = parser.parse_args()
+    args = ArmorConfig(
+        output_dir=os.path.join(cli.out, "trainer"), per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=8, max_steps=4, learning_rate=1e-2, use_cpu=True, ddp_backend="gloo", bf16=False,
+        gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="steps", save_steps=2,
+        seed=42, disable_tqdm=True, dynamic_sampling=True, anchor_num_samples=2,
+    )
+    dataset = Dataset.from_dict({"prompt": [f"{n}+{n + 1}=" for n in range(30)], "answer": [str(2 * n + 1) for n in range(30)]})
+    trainer = Recording(
+        model=cli.model, reward_funcs=scripted, args=args, train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(cli.model),
+    )
+    trainer.add_callback(StopAt(cli.stop_at))
+    trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    policy = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    result = {
+        "rank": trainer.accelerator.process_index,
+        "round_prompts": trainer.round_prompts,
+        "batches": trainer.batches,
+        "checksum": float(sum(p.detach().double().abs().sum() for p in policy.parameters())),
+        "params": {n: p.detach().flatten()[:64].tolist() for n, p in policy.named_parameters()},
+        "refill_drawn": trainer._refill.drawn,
+        "log_history": trainer.state.log_history,
+    }
+    with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Dynamic sampling with refill under 2-process DDP on CPU (torchrun, gloo): every process runs the same number of
+generation rounds, keeps only informative groups, agrees on the weights, and a resumed run continues exactly."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from test_multiprocess import REPO, _free_port, _launch
+
+SCRIPT = REPO / "tests" / "mp_dynamic_sampling_script.py"
+pytestmark = pytest.mark.slow
+
+
+def launch(model, out, *extra):
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(_free_port()), str(SCRIPT), "--model", model, "--out", str(out), *extra,
+    ]  # fmt: skip
+    return _launch(command, out, 2)
+
+
+def test_refill_under_ddp_and_resume(tiny_model_path, tmp_path):
+    straight = launch(tiny_model_path, tmp_path / "straight")
+    # same number of generation rounds on both processes (generation and reward gathering are collective)
+    assert len(straight[0]["round_prompts"]) == len(straight[1]["round_prompts"]) > 4
+    for rank in straight:
+        for batch in rank["batches"]:
+            assert all(batch["kept"]), "a batch was left short although informative prompts exist"
+    # the two processes drew different refill prompts (one stream, split between them)
+    refills = [set(p for round_ in r["round_prompts"][1:] for p in round_) for r in straight]
+    assert refills[0] != refills[1]
+    assert straight[0]["checksum"] == straight[1]["checksum"]
+    rounds = [e["armor/generation_rounds"] for e in straight[0]["log_history"] if "armor/generation_rounds" in e]
+    assert len(rounds) == 4 and all(r >= 1 for r in rounds)
+
+    cut = tmp_path / "cut"
+    launch(tiny_model_path, cut, "--stop_at", "2")
+    for path in cut.glob("rank*.json"):
+        path.unlink()
+    resumed = launch(tiny_model_path, cut, "--resume")
+    assert resumed[0]["refill_drawn"] == straight[0]["refill_drawn"]
+    assert resumed[0]["params"] == straight[0]["params"]
+    assert resumed[0]["checksum"] == straight[0]["checksum"]
