@@ -358,3 +358,26 @@ def test_ref_model_with_lora_is_refused(tiny_model_path, tiny_tokenizer, prompt_
 def test_missing_ref_model_path_names_the_argument(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     with pytest.raises(ValueError, match="ref_model"):
         make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, ref_model=str(tmp_path / "no-such-model"))
+
+
+def test_off_policy_mask_compares_mixture_with_mixture(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    # With vLLM, TRL's off-policy sequence mask compares the loss's log-probs (here: the mixture's) with the engine's
+    # sampling log-probs. Those must be mixed too: with sampler = old = current policy nothing is off-policy, so
+    # the mask must not change the loss.
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1, anchor_reward_threshold=0.0)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    batch = dict(batches[0])
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        current = seam.per_token_logps(trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1), 8)
+    batch["old_per_token_logps"] = current
+    batch["sampling_per_token_logps"] = current
+    batch["advantages"] = -batch["advantages"].abs() - 1.0  # the mask only acts on negative advantages
+    with torch.no_grad():
+        trainer.off_policy_mask_threshold = None
+        unmasked = trainer._compute_loss(trainer.model, batch).item()
+        trainer.off_policy_mask_threshold = 1e-6
+        masked = trainer._compute_loss(trainer.model, batch).item()
+    assert masked == pytest.approx(unmasked, rel=1e-5)
