@@ -73,9 +73,15 @@ CONFIGS = {
     "grpo_b004_lora": ("grpo", 0.04, True, False, "TRL GRPO, beta=0.04, LoRA, ref = adapter disabled"),
     "armor_lora": ("armor", 0.0, True, False, "ARMOR, LoRA, ref = frozen 'ref' adapter"),
     "armor_cache_failures": ("armor", 0.0, False, True, "ARMOR, anchor_cache + anchor_cache_failures=True"),
+    "grpo_dynamic": ("dapo", 0.0, False, False, "GRPO beta=0 + dynamic_sampling (ArmorGRPOTrainer, ARMOR off), 0/1 reward"),
+    "armor_dynamic": ("armor", 0.0, False, False, "ARMOR + dynamic_sampling (refill up to 10 rounds), 0/1 reward"),
 }
+# Configs trained with DAPO's dynamic sampling. Their reward is the digit share thresholded to 0/1, so that groups can
+# tie (all right / all wrong) as with a verifier; the refill cost shows as armor/generation_rounds per step.
+DYNAMIC = ("grpo_dynamic", "armor_dynamic")
 DEFAULT_CONFIGS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
+    "grpo_dynamic", "armor_dynamic",
 ]
 # Each row: the ratio it checks (numerator config, denominator config, quantity), its bound.
 TARGETS = [
@@ -409,13 +415,21 @@ def run_config(task: dict) -> dict:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    if is_armor:
+    reward = digit_reward
+    if task["config"] in DYNAMIC:
+        threshold = task["threshold"]
+        reward = lambda completions, **kw: [float(r >= threshold) for r in digit_reward(completions)]  # noqa: E731
+        reward.__name__ = "digit_reward_01"
+    if is_armor or kind == "dapo":
         args = ArmorConfig(
             **common,
             anchor_num_samples=task["k"],
             anchor_reward_threshold=task["threshold"],
             anchor_cache=cache,
             anchor_cache_failures=task["config"] == "armor_cache_failures",
+            dynamic_sampling=task["config"] in DYNAMIC,
+            use_anchors=is_armor,
+            use_mixed_ratio=is_armor,
         )
     else:
         args = GRPOConfig(**common)
@@ -429,10 +443,10 @@ def run_config(task: dict) -> dict:
         )
     tokenizer = AutoTokenizer.from_pretrained(task["model_path"])
     dataset = Dataset.from_list(make_prompts(task["prompts"], task["seed"]))
-    cls = ArmorGRPOTrainer if is_armor else GRPOTrainer
+    cls = ArmorGRPOTrainer if is_armor or kind == "dapo" else GRPOTrainer
     build_start = time.perf_counter()
     trainer = cls(
-        model=task["model_path"], reward_funcs=digit_reward, args=args, train_dataset=dataset,
+        model=task["model_path"], reward_funcs=reward, args=args, train_dataset=dataset,
         processing_class=tokenizer, peft_config=peft_config,
     )
     build_s = time.perf_counter() - build_start
@@ -468,7 +482,8 @@ def run_config(task: dict) -> dict:
     history = trainer.state.log_history
     for key in (
         "armor/anchor_found_frac", "armor/anchor_cache_hit_frac", "armor/candidates_verified_frac",
-        "completions/mean_length", "reward", "armor/policy_reward_mean",
+        "completions/mean_length", "reward", "armor/policy_reward_mean", "armor/generation_rounds",
+        "armor/groups_kept_frac",
     ):
         values = [h[key] for h in history if key in h]
         if values:
@@ -569,7 +584,10 @@ def summarize(runs: list[dict], warmup: int) -> dict:
             entry["reset_over_step"] = entry["reset_s"]["median"] / step_median
             entry["reset_kind"] = config_runs[0]["reset_kind"]
             entry["reset_params"] = config_runs[0]["reset_params"]
-        for key in ("armor/anchor_found_frac", "armor/anchor_cache_hit_frac", "completions/mean_length"):
+        for key in (
+            "armor/anchor_found_frac", "armor/anchor_cache_hit_frac", "completions/mean_length",
+            "armor/generation_rounds", "armor/groups_kept_frac",
+        ):
             values = [v for r in config_runs for v in r.get("metrics", {}).get(key, [])[warmup:]]
             if values:
                 entry.setdefault("metrics", {})[key] = statistics.mean(values)
@@ -658,8 +676,9 @@ def format_report(result: dict) -> str:
         "the per-repetition ratios, paired by round). CPU: ratio of process CPU time per step (less sensitive to load).",
         "",
         "| config | s/step [min–max] | all steps: median [IQR], mean | × grpo_b004 (paired) | CPU × grpo_b004 | "
-        "× grpo_b004_lora | peak RSS MB | × RSS | RSS growth MB | anchors found | cache hits | reset (share of step) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "× grpo_b004_lora | peak RSS MB | × RSS | RSS growth MB | anchors found | cache hits | reset (share of step) | "
+        "generation rounds/step (dynamic sampling) | groups kept |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in summary.items():
         s, v, vl, m = e["step_s"], e.get("vs_grpo_b004", {}), e.get("vs_grpo_b004_lora", {}), e.get("metrics", {})
@@ -672,7 +691,8 @@ def format_report(result: dict) -> str:
             f"{_fmt(v.get('step'))} ({_fmt(sp.get('min'))}–{_fmt(sp.get('max'))}) | {_fmt(v.get('cpu'))} | "
             f"{_fmt(vl.get('step'))} | {_fmt(e['peak_rss_mb']['median'], 0)} | {_fmt(v.get('rss'), 3)} | "
             f"{_fmt(e['rss_growth_mb']['median'], 0)} | {_fmt(m.get('armor/anchor_found_frac'))} | "
-            f"{_fmt(m.get('armor/anchor_cache_hit_frac'))} | {reset} |"
+            f"{_fmt(m.get('armor/anchor_cache_hit_frac'))} | {reset} | {_fmt(m.get('armor/generation_rounds'))} | "
+            f"{_fmt(m.get('armor/groups_kept_frac'))} |"
         )
     lines += [
         "",

@@ -11,7 +11,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks" / "bench.py"
-CONFIGS = ["grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora"]
+CONFIGS = [
+    "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
+    "grpo_dynamic", "armor_dynamic",
+]
 PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "other"]
 
 
@@ -51,6 +54,8 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert summary["armor_full"]["reset_kind"] == "full" and summary["armor_lora"]["reset_kind"] == "lora"
     assert "armor/anchor_cache_hit_frac" in summary["armor_cache"]["metrics"]
     assert "whatif_merged_generation" in summary["armor_lora"]
+    for name in ("grpo_dynamic", "armor_dynamic"):  # the refill cost is reported
+        assert summary[name]["metrics"]["armor/generation_rounds"] >= 1, name
     for run in result["runs"]:
         assert len(run["steps"]) == meta["steps"]
         assert run["peak_rss_mb"] >= run["rss_start_mb"] > 0
