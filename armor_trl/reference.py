@@ -27,15 +27,18 @@ STATE_FILE = "armor_state.json"
 REF_WEIGHTS_FILE = "armor_reference.pt"
 
 
-def reset_due(step: int, reset_steps: int | None, every_step_until: int | None) -> bool:
+def reset_due(step: int, reset_steps: int | None, every_step_until: int | None, at_steps=None) -> bool:
     """Whether the reference is reset right after optimizer step ``step`` (1-based).
 
     Up to ``every_step_until`` (inclusive) every step resets; after it, steps that are multiples of
-    ``reset_steps`` do; with ``reset_steps=None`` nothing resets after the hybrid phase.
+    ``reset_steps`` do; with ``reset_steps=None`` nothing resets after the hybrid phase. Steps listed in
+    ``at_steps`` reset too.
     """
     if step < 1:
         return False
     if every_step_until is not None and step <= every_step_until:
+        return True
+    if at_steps and step in at_steps:
         return True
     return reset_steps is not None and step % reset_steps == 0
 
@@ -239,13 +242,15 @@ def copy_model_for_reference(model: nn.Module) -> nn.Module:
 class ReferenceResetCallback(TrainerCallback):
     """Resets the reference on ARMOR's schedule, right after each optimizer step."""
 
-    def __init__(self, reference: ReferencePolicy, get_policy, reset_steps: int | None, every_step_until: int | None):
+    def __init__(self, reference: ReferencePolicy, get_policy, reset_steps: int | None, every_step_until: int | None,
+                 at_steps=None):
         self.reference = reference
         self.get_policy = get_policy
         self.reset_steps = reset_steps
         self.every_step_until = every_step_until
+        self.at_steps = set(at_steps or ())
 
     def on_step_end(self, args, state, control, **kwargs):
-        if reset_due(state.global_step, self.reset_steps, self.every_step_until):
+        if reset_due(state.global_step, self.reset_steps, self.every_step_until, self.at_steps):
             self.reference.reset(self.get_policy(), state.global_step)
         return control
