@@ -5,7 +5,9 @@ ARMOR needs π_ref at β = 0, where TRL builds none, so the trainer owns it. Two
 * ``full``: a separate frozen model, built from a path like TRL builds its reference model, or
   from a copy of the initial policy;
 * ``lora``: a frozen second adapter ("ref") beside the trained adapter of a PEFT policy. Before the
-  first reset it equals the initial adapter; a reset copies adapter-sized weights.
+  first reset it equals the initial adapter; a reset copies adapter-sized weights. Which weights belong to an
+  adapter is PEFT's call (its adapter state dict), so every layout is covered: LoRA on linear and embedding
+  layers, DoRA, ``trainable_token_indices``, ``modules_to_save``.
 
 A reset makes π_ref an exact copy of the current policy (ARMOR.md, "Reference reset").
 """
@@ -52,6 +54,19 @@ def _gathered(params: list[nn.Parameter], modifier_rank: int | None = None):
     return contextlib.nullcontext()
 
 
+def adapter_parameters(peft_model: nn.Module, adapter: str) -> dict[str, nn.Parameter]:
+    """The parameters of one adapter of ``peft_model``, keyed by PEFT's adapter-independent state-dict names.
+
+    PEFT's own ``get_peft_model_state_dict`` decides what belongs to the adapter (wherever the adapter name sits in
+    a parameter's name); fed the model's parameters instead of its state dict, it hands back the parameters themselves.
+    """
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(
+        peft_model, state_dict=dict(peft_model.named_parameters()), adapter_name=adapter, save_embedding_layers=False
+    )
+
+
 @torch.no_grad()
 def copy_parameters(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
     """Copy each source parameter into its target, in place (``pairs`` = [(target, source), ...])."""
@@ -93,19 +108,20 @@ class ReferencePolicy:
             )
         peft_model.add_adapter(REF_ADAPTER, peft_model.peft_config[trained])
         reference = cls("lora", model=None, trained_adapter=trained)
+        for param in adapter_parameters(peft_model, REF_ADAPTER).values():
+            param.requires_grad_(False)
         reference.copy_from(peft_model)
         reference.synced_step = 0
-        for name, param in peft_model.named_parameters():
-            if f".{REF_ADAPTER}." in name:
-                param.requires_grad_(False)
         return reference
 
     # --- reset -------------------------------------------------------------------------------------------------
     def _pairs(self, policy: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        return list(self._named_pairs(policy).values())
+
+    def _named_pairs(self, policy: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+        """{name: (reference parameter, policy parameter)}; names are the policy's, or PEFT's adapter-free ones."""
         if self.kind == "lora":
-            params = dict(policy.named_parameters())
-            marker, ref_marker = f".{self.trained_adapter}.", f".{REF_ADAPTER}."
-            pairs = [(params[name.replace(marker, ref_marker)], p) for name, p in params.items() if marker in name]
+            pairs = self._adapter_pairs(policy)
         else:
             # A DeepSpeed engine (ZeRO) names its parameters "module.…": compare the wrapped modules
             ref_params = dict(getattr(self.model, "module", self.model).named_parameters())
@@ -117,10 +133,32 @@ class ReferencePolicy:
                     "The reference's parameters do not match the policy's (only in the reference: "
                     f"{only_ref}; only in the policy: {only_policy}). ref_model must have the policy's architecture."
                 )
-            pairs = [(ref_params[name], p) for name, p in pol_params.items()]
+            pairs = {name: (ref_params[name], p) for name, p in pol_params.items()}
         if not pairs:
             raise ValueError("Cannot reset the reference: found no parameters to copy.")
         return pairs
+
+    def _adapter_pairs(self, policy: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+        """{key: (ref adapter parameter, trained adapter parameter)} for every parameter of the trained adapter."""
+        trained = adapter_parameters(policy, self.trained_adapter)
+        ref = adapter_parameters(policy, REF_ADAPTER)
+        if trained.keys() != ref.keys():
+            only_trained = sorted(set(trained) - set(ref))[:3]
+            only_ref = sorted(set(ref) - set(trained))[:3]
+            raise ValueError(
+                f"The reference adapter {REF_ADAPTER!r} does not mirror the trained adapter {self.trained_adapter!r} "
+                f"(only in the trained adapter: {only_trained}; only in the reference adapter: {only_ref}), so a reset "
+                "cannot copy it. Both adapters must be created from the same PEFT config."
+            )
+        copied = {id(param) for param in trained.values()}
+        uncopied = [n for n, param in policy.named_parameters() if param.requires_grad and id(param) not in copied]
+        if uncopied:
+            raise ValueError(
+                f"Trainable parameters outside the adapter {self.trained_adapter!r} ({uncopied[:3]}, {len(uncopied)} "
+                "in all) have no copy in the reference adapter, so π_ref would move with the policy. Train only "
+                "adapter weights (put extra trained modules in the PEFT config's modules_to_save), or freeze them."
+            )
+        return {key: (ref[key], trained[key]) for key in trained}
 
     def copy_from(self, policy: nn.Module) -> None:
         """Make the reference an exact copy of ``policy`` (the unwrapped policy model)."""
@@ -160,10 +198,10 @@ class ReferencePolicy:
         The state file is written last and atomically, so its presence marks a complete checkpoint.
         """
         tensors = {}
-        for index, (target, _) in enumerate(self._pairs(policy)):
+        for name, (target, _) in self._named_pairs(policy).items():
             with _gathered([target]):
                 if write:
-                    tensors[index] = target.detach().cpu().clone()
+                    tensors[name] = target.detach().cpu().clone()
         if not write:
             return
         torch.save(tensors, os.path.join(directory, REF_WEIGHTS_FILE))
@@ -200,17 +238,24 @@ class ReferencePolicy:
                 "(LoRA and full-model runs cannot resume each other)."
             )
         tensors = torch.load(os.path.join(directory, REF_WEIGHTS_FILE), map_location="cpu")
-        targets = [target for target, _ in self._pairs(policy)]
-        if len(tensors) != len(targets):
-            raise ValueError(f"Checkpoint {directory} holds a reference with a different architecture than this run's.")
+        targets = {name: target for name, (target, _) in self._named_pairs(policy).items()}
+        if tensors.keys() != targets.keys():
+            only_saved = sorted(map(str, set(tensors) - set(targets)))[:3]
+            only_here = sorted(set(targets) - set(tensors))[:3]
+            raise ValueError(
+                f"Checkpoint {directory} holds a reference with other weights than this run's (only in the "
+                f"checkpoint: {only_saved}; only in this run: {only_here}): resume with the model and PEFT config it "
+                "was written with."
+            )
         with torch.no_grad():
-            for index, target in enumerate(targets):
+            for name, target in targets.items():
                 with _gathered([target], modifier_rank=0):
-                    if target.shape != tensors[index].shape:
+                    if target.shape != tensors[name].shape:
                         raise ValueError(
-                            f"Checkpoint {directory} holds a reference with a different architecture than this run's."
+                            f"Checkpoint {directory} holds a reference whose {name} has shape "
+                            f"{tuple(tensors[name].shape)}; this run's has {tuple(target.shape)}."
                         )
-                    target.data.copy_(tensors[index].to(target.device, target.dtype))
+                    target.data.copy_(tensors[name].to(target.device, target.dtype))
         self.resets = state["resets"]
         self.last_reset_step = state["last_reset_step"]
         self.synced_step = state.get("synced_step")

@@ -110,3 +110,52 @@ def test_explicit_ref_model_path_is_used(tiny_model_path, tiny_tokenizer, prompt
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, ref_model=other, max_steps=1)
     pairs = trainer.reference._pairs(trainer._unwrapped_policy())
     assert max((t - s).abs().max().item() for t, s in pairs) > 0  # a different model than the policy
+
+
+# --- exact resets through the trainer -------------------------------------------------------------------------------
+def logps_gap(trainer):
+    """max |log π_θ − log π_ref| over the completion tokens of a fixed batch, computed as the trainer does."""
+    from armor_trl import trl_seam as seam
+
+    input_ids = torch.tensor([[1, 3, 4, 5, 20, 21, 30, 4, 5, 6, 7, 8], [1, 9, 10, 3, 4, 20, 11, 12, 13, 14, 15, 16]])
+    mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        policy = seam.per_token_logps(trainer, trainer.model, input_ids, mask, 8, 2)
+        with trainer._reference_ready():
+            reference = seam.per_token_logps(trainer, trainer._reference_model(), input_ids, mask, 8, 2)
+    return (policy - reference).abs().max().item()
+
+
+def untied_model(tiny_model_path, directory, dtype=torch.float32):
+    """The tiny model with its own LM head, saved to ``directory`` (TRL's cast_lm_head_to_fp32 needs untied embeddings,
+    and its fused head cannot run a tied head that trainable_token_indices wraps)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=dtype)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        dict(target_modules=["q_proj", "embed_tokens"]),
+        dict(target_modules=["q_proj"], trainable_token_indices=[int(c) + 3 for c in "0123456789"]),
+    ],
+    ids=["lora_embedding", "trainable_token_indices"],
+)
+def test_lora_reset_after_training_is_exact(lora, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    untied_model(tiny_model_path, tmp_path / "untied")
+    config = LoraConfig(r=4, lora_alpha=8, **lora)
+    trainer = make_trainer(
+        str(tmp_path / "untied"), tiny_tokenizer, prompt_dataset, tmp_path, peft_config=config, learning_rate=5e-2,
+        max_steps=1,
+    )
+    assert logps_gap(trainer) == 0.0
+    trainer.train()  # no reset scheduled: the trained adapter (embedding weights included) moves away from π_ref
+    gap_before = logps_gap(trainer)
+    assert gap_before > 1e-3
+    trainer.reference.reset(trainer._unwrapped_policy(), step=1)
+    assert logps_gap(trainer) == 0.0
