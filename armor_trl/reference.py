@@ -7,7 +7,7 @@ ARMOR needs π_ref at β = 0, where TRL builds none, so the trainer owns it. Two
 * ``lora``: a frozen second adapter ("ref") beside the trained adapter of a PEFT policy. Before the
   first reset it equals the initial adapter; a reset copies adapter-sized weights. Which weights belong to an
   adapter is PEFT's call (its adapter state dict), so every layout is covered: LoRA on linear and embedding
-  layers, DoRA, ``trainable_token_indices``, ``modules_to_save``.
+  layers, DoRA, ``trainable_token_indices``, ``modules_to_save``. π_ref is computed in eval mode (no dropout).
 
 A reset makes π_ref an exact copy of the current policy (ARMOR.md, "Reference reset").
 """
@@ -65,6 +65,22 @@ def adapter_parameters(peft_model: nn.Module, adapter: str) -> dict[str, nn.Para
     return get_peft_model_state_dict(
         peft_model, state_dict=dict(peft_model.named_parameters()), adapter_name=adapter, save_embedding_layers=False
     )
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module):
+    """Run ``model`` in eval mode (no dropout) in the block, then give back every module's mode and every
+    parameter's ``requires_grad`` as they were (PEFT's adapter switching changes the latter)."""
+    modes = [(module, module.training) for module in model.modules()]
+    requires_grad = [(param, param.requires_grad) for param in model.parameters()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        for param, flag in requires_grad:
+            param.requires_grad_(flag)
 
 
 @torch.no_grad()
@@ -177,13 +193,14 @@ class ReferencePolicy:
     # --- use ---------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def active(self, policy: nn.Module):
-        """Within the block, a LoRA policy runs as the reference (the "ref" adapter is active)."""
+        """Within the block, a LoRA policy runs as the reference: the "ref" adapter is active and the model is in
+        eval mode, so π_ref has no dropout (like a full reference, which is always in eval mode)."""
         if self.kind != "lora":
             yield
             return
         from trl.trainer.utils import use_adapter
 
-        with use_adapter(policy, adapter_name=REF_ADAPTER):
+        with _evaluating(policy), use_adapter(policy, adapter_name=REF_ADAPTER):
             yield
 
     def parameters_of(self, policy: nn.Module) -> list[nn.Parameter]:

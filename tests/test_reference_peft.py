@@ -104,6 +104,21 @@ def test_reference_adapter_stays_frozen_through_adapter_switching(layout, tiny_m
     assert model.training
 
 
+def test_lora_dropout_is_off_for_the_reference_only(tiny_model_path):
+    model = peft_policy(tiny_model_path, target_modules=["q_proj", "v_proj"], lora_dropout=0.5)
+    reference = ReferencePolicy.lora(model)
+    perturb(adapter_weights(model, "default").values(), seed=1)
+    reference.reset(model, step=1)  # a non-zero ref adapter, so its dropout would show in the logits
+    model.train()
+    with torch.no_grad():
+        with reference.active(model):
+            first, second = model(INPUT_IDS).logits, model(INPUT_IDS).logits
+        assert (first - second).abs().max().item() == 0.0
+        assert model.training and all(m.training for m in model.modules())
+        policy_first, policy_second = model(INPUT_IDS).logits, model(INPUT_IDS).logits
+    assert (policy_first - policy_second).abs().max() > 0  # the trained adapter keeps its dropout in train mode
+
+
 def test_trainable_weights_outside_the_adapter_are_refused(tiny_model_path):
     model = peft_policy(tiny_model_path, target_modules=["q_proj"])
     model.base_model.model.model.norm.weight.requires_grad_(True)
