@@ -67,6 +67,28 @@ def adapter_parameters(peft_model: nn.Module, adapter: str) -> dict[str, nn.Para
     )
 
 
+def cast_lm_head_to_fp32(model: nn.Module) -> None:
+    """Give ``model`` the float32 LM head GRPOTrainer gives the policy with ``cast_lm_head_to_fp32=True``.
+
+    The head's weights become float32 and it projects in float32; a tied input embedding (whose weight is the head's)
+    still hands the backbone activations of its original dtype. Applied to a separately built reference, a reset then
+    copies the policy's float32 head without rounding it to the backbone's dtype.
+    """
+    head = model.get_output_embeddings()
+    embeddings = model.get_input_embeddings()
+    original_dtype = head.weight.dtype
+    tied = embeddings is not None and embeddings.weight is head.weight
+    head.float()
+
+    def project_in_fp32(hidden_states):
+        bias = None if head.bias is None else head.bias.float()
+        return nn.functional.linear(hidden_states.float(), head.weight.float(), bias)
+
+    head.forward = project_in_fp32
+    if tied and original_dtype != torch.float32:
+        embeddings.register_forward_hook(lambda module, inputs, output: output.to(original_dtype))
+
+
 @contextlib.contextmanager
 def _evaluating(model: nn.Module):
     """Run ``model`` in eval mode (no dropout) in the block, then give back every module's mode and every

@@ -138,6 +138,30 @@ def untied_model(tiny_model_path, directory, dtype=torch.float32):
     return model
 
 
+@pytest.mark.parametrize("given_as", ["path", "instance", "tied_path"])
+def test_reset_is_exact_with_an_fp32_lm_head(given_as, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    instance = untied_model(tiny_model_path, tmp_path / "untied", torch.bfloat16)
+    model = {"path": str(tmp_path / "untied"), "instance": instance, "tied_path": tiny_model_path}[given_as]
+    extra = {} if given_as == "instance" else dict(model_init_kwargs={"dtype": "bfloat16"})
+    trainer = make_trainer(
+        model, tiny_tokenizer, prompt_dataset, tmp_path, bf16=True, cast_lm_head_to_fp32=True, **extra
+    )
+    policy, reference = trainer._unwrapped_policy(), trainer.reference.model
+    assert policy.lm_head.weight.dtype == torch.float32
+    assert policy.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    # the reference's head is float32 like the policy's (so a reset does not round it), the rest stays bfloat16
+    assert {n: p.dtype for n, p in reference.named_parameters()} == {n: p.dtype for n, p in policy.named_parameters()}
+    assert logps_gap(trainer) == 0.0  # the initial copy
+
+    perturb = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in policy.parameters():  # fp32 head values that bf16 cannot hold
+            param.add_(0.01 * torch.randn(param.shape, generator=perturb, dtype=param.dtype))
+    assert logps_gap(trainer) > 0.01
+    trainer.reference.reset(policy, step=1)
+    assert logps_gap(trainer) == 0.0
+
+
 @pytest.mark.parametrize(
     "lora",
     [
