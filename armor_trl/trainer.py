@@ -152,6 +152,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
             raise ValueError("use_anchors=True does not support vision-language models (multimodal prompts) yet.")
         self._anchor_funcs = self._anchor_func_mask(args.anchor_reward_funcs)
         if is_peft_model(self.model):
+            self._check_lora_with_vllm()
             self.reference = ReferencePolicy.lora(self.model)
         else:
             self.reference = ReferencePolicy.full(self._build_reference_model(ref_model, ref_copy, quantization_config))
@@ -163,6 +164,18 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 args.ref_reset_at_steps,
             )
         )
+
+    def _check_lora_with_vllm(self) -> None:
+        # TRL's vLLM weight sync maps "modules_to_save.default." and the trainable-token delta of the *trained*
+        # adapter onto the base names, so with the "ref" adapter active it would push the policy's copy of them.
+        config = self.model.peft_config[self.model.active_adapter]
+        extra = [name for name in ("modules_to_save", "trainable_token_indices") if getattr(config, name, None)]
+        if self.use_vllm and self.args.use_anchors and extra:
+            raise ValueError(
+                f"LoRA with {' and '.join(extra)} cannot sample anchors through vLLM: TRL's weight sync would push the "
+                "policy's copy of those weights instead of the reference's. Use target_modules only (plain LoRA), or "
+                "use_vllm=False."
+            )
 
     @property
     def armor_alpha(self) -> float:

@@ -82,3 +82,17 @@ def test_lora_reference_is_pushed_with_the_ref_adapter_active(tiny_model_path, t
     trainer.train()
     assert engine.generated_with[2:] == [("policy@1", 6), ("reference", 4)]
     assert trainer.model.active_adapter == "default"  # the trained adapter is active again
+
+
+def test_lora_modules_to_save_with_vllm_anchors_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    import pytest
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, peft_config=config)
+    trainer.use_vllm = True  # the check runs at construction; vLLM cannot be constructed on CPU
+    with pytest.raises(ValueError, match="modules_to_save cannot sample anchors through vLLM"):
+        trainer._check_lora_with_vllm()
+    plain = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "plain",
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    plain.use_vllm = True
+    plain._check_lora_with_vllm()  # plain LoRA is fine
