@@ -96,3 +96,23 @@ def test_lora_modules_to_save_with_vllm_anchors_is_refused(tiny_model_path, tiny
                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     plain.use_vllm = True
     plain._check_lora_with_vllm()  # plain LoRA is fine
+
+
+def test_refill_rounds_use_the_engine_and_push_the_policy_back(tiny_model_path, tiny_tokenizer, tmp_path):
+    from test_dynamic_sampling import numbers_dataset, scripted
+
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset(range(30)), tmp_path, max_steps=3, anchor_num_samples=2,
+        reward_funcs=scripted, dynamic_sampling=True,
+    )
+    engine = with_fake_vllm(trainer, tiny_tokenizer)
+    trainer.train()
+    rounds = logged(trainer, "armor/generation_rounds")
+    assert sum(rounds) > 3  # refill happened
+    assert len(engine.generated_with) == 2 * sum(rounds)  # one rollout and one candidate call per round
+    rollouts = [loaded for loaded, _ in engine.generated_with[::2]]
+    candidates = [loaded for loaded, _ in engine.generated_with[1::2]]
+    assert all(loaded.startswith("policy@") for loaded in rollouts)  # pushed back after every candidate call
+    first_step = int(rounds[0])
+    assert candidates[:first_step] == ["policy@0"] * first_step  # π_ref == π_θ before the first update: no swap
+    assert set(candidates[first_step:]) == {"reference"}
