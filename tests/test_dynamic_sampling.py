@@ -248,3 +248,19 @@ def test_concat_rows_repads_prompts_left_and_completions_right():
     joined = concat_rows([one, two], pad_token_id=0)
     assert joined["prompt_ids"].tolist() == [[0, 5, 6], [4, 5, 6]] and joined["prompt_mask"][0].tolist() == [0, 1, 1]
     assert joined["completion_ids"].tolist() == [[7, 0], [7, 8]] and joined["completion_mask"][0].tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("armor", [False, True])
+def test_qae_uses_the_group_quantile_as_baseline(armor, tiny_model_path, tiny_tokenizer, tmp_path):
+    extra = {} if armor else PLAIN
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset([2, 5, 8, 11]), tmp_path, reward_funcs=scripted, max_steps=1,
+        advantage_quantile=0.4, anchor_reward_threshold=0.0, **extra,
+    )
+    _, batches = capture_batches(trainer)
+    trainer.train()
+    # every prompt is "mixed": rows alternate 1, 0, 1, 0 (the anchor row too, scored in its group)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0] * 2)
+    expected = group_advantages(rewards, G, "group", quantile=0.4)
+    assert batches[0]["advantages"].tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+    assert expected[0].item() == pytest.approx((1 - 0.2) / (0.5774 + 1e-4), abs=1e-3)  # baseline 0.2, not the mean 0.5
