@@ -1,8 +1,27 @@
-"""armor-trl: ARMOR (Anchor Rollout and Mixed Optimization) for Hugging Face TRL."""
+"""armor-trl: ARMOR (Anchor Rollout and Mixed Optimization) for Hugging Face TRL.
 
-from .config import ArmorConfig
-from .mixed_ratio import mixed_logprobs, mixed_ratio, trust_region_bounds
-from .trainer import ArmorGRPOTrainer
+The public names are imported on first use, so that ``import armor_trl.rewards`` (used in verifier worker
+processes) does not pull in torch, transformers and TRL.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
-__all__ = ["ArmorConfig", "ArmorGRPOTrainer", "mixed_logprobs", "mixed_ratio", "trust_region_bounds"]
+_PUBLIC = {
+    "ArmorConfig": ".config",
+    "ArmorGRPOTrainer": ".trainer",
+    "mixed_logprobs": ".mixed_ratio",
+    "mixed_ratio": ".mixed_ratio",
+    "trust_region_bounds": ".mixed_ratio",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        return getattr(import_module(_PUBLIC[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_PUBLIC))

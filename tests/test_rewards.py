@@ -1,17 +1,31 @@
-"""Reward functions: math-verify on \\boxed{} / #### / plain answers, the exact-integer verifier, name resolution."""
+"""Reward functions: math-verify on \\boxed{} / #### / Answer: / plain answers, its worker pool and timeouts,
+the exact-integer verifier, name resolution (built-in, trl.rewards, import paths), a light import."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
 import pytest
 
+from armor_trl import rewards
 from armor_trl.rewards import (
     REWARD_FUNCS,
     boxed_format_reward,
+    configure_verifier,
     exact_integer_reward,
+    final_answer,
     math_verify_reward,
     resolve_reward,
     resolve_rewards,
+    verifier_timeouts,
 )
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
 def chat(text):
@@ -41,7 +55,7 @@ def test_math_verify_answer_forms(completion, answer, expected):
 def test_math_verify_cannot_judge_without_ground_truth():
     assert math_verify_reward(["42"], answer=[None]) == [None]
     assert math_verify_reward(["42"], answer=[""]) == [None]
-    assert math_verify_reward(["42"], answer=["no number here"]) == [None]
+    assert math_verify_reward(["42"], answer=[r"\text{}"]) == [None]  # nothing math-verify can read
     assert math_verify_reward(["42", "41"]) == [None, None]  # no ground-truth column at all
 
 
@@ -110,3 +124,166 @@ def test_resolve_dotted_paths(tmp_path, monkeypatch):
 def test_resolve_errors(name):
     with pytest.raises(ValueError):
         resolve_reward(name)
+
+
+# --- gold answers are read as LaTeX (issue 9, item 1) ------------------------------------------------------------
+def math500_hard_golds():
+    """36 MATH-500 answers (HuggingFaceH4/MATH-500 test split, copied from MobileLLM/BudgetThinker
+    evaluation/data/math500/test_ori.jsonl) that math-verify misread when the gold was parsed without ``$...$``:
+    a correct boxed answer scored 0 or None, and for many the gold's first integer (``wrong``) scored 1."""
+    with open(os.path.join(FIXTURES, "math500_hard_golds.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_math500_golds_judge_right_and_wrong_answers():
+    rows = math500_hard_golds()
+    golds = [row["answer"] for row in rows]
+    right = math_verify_reward([rf"The answer is $\boxed{{{g}}}$." for g in golds], answer=golds)
+    wrong = math_verify_reward([rf"The answer is $\boxed{{{row['wrong']}}}$." for row in rows], answer=golds)
+    assert [g for g, r in zip(golds, right) if r != 1.0] == []  # no false negatives (nor "cannot judge")
+    assert [(row["answer"], row["wrong"]) for row, r in zip(rows, wrong) if r != 0.0] == []  # no false positives
+
+
+@pytest.mark.parametrize("gold, right, wrong", [
+    (r"3\sqrt{13}", r"3\sqrt{13}", "3"),
+    (r"\frac{14}{3}", r"\frac{14}{3}", "14"),
+    (r"(3, \frac{\pi}{2})", r"\left( 3, \frac{\pi}{2} \right)", "3"),
+    ("p - q", "p-q", "p + q"),
+    (r"\text{Evelyn}", r"\text{Evelyn}", r"\text{Navin}"),
+    (r"11\sqrt2", r"11\sqrt{2}", "11"),
+    (r"\$32{,}348", "32348", "32"),
+    (r"10\%", r"10\%", "20"),
+    ("x^2+7x+10", "x^2 + 7x + 10", "x^2+7x"),
+    ("(15,-29)", "(15, -29)", "(15, 29)"),
+    ("025", "25", "52"),  # AIME answers with leading zeros
+])
+def test_latex_golds_without_delimiters(gold, right, wrong):
+    assert math_verify_reward([rf"\boxed{{{right}}}", rf"\boxed{{{wrong}}}"], answer=[gold, gold]) == [1.0, 0.0]
+
+
+# --- the final-answer rule per dataset (items 3 and 4) ------------------------------------------------------------
+def gsm8k_late_numbers():
+    """Worked solutions, each with "#### {}" in place of its answer: rows 393, 226 and 258 of the GSM8K test set
+    (openai/grade-school-math, grade_school_math/data/test.jsonl), whose last lines before #### hold another
+    number ("= 20%", "rounds down to 33%", "$6.00")."""
+    with open(os.path.join(FIXTURES, "gsm8k_test_late_numbers.jsonl")) as f:
+        return [json.loads(line)["answer"].rsplit("####", 1)[0] + "#### {}" for line in f]
+
+
+@pytest.mark.parametrize("answer_format", [{"answer_format": "gsm8k"}, {}], ids=["gsm8k", "no column"])
+def test_gsm8k_final_line_wins(answer_format):
+    carol, pokemon, nancy = gsm8k_late_numbers()
+    assert math_verify_reward([carol.format(18)], answer=["18"], **answer_format) == [1.0]  # "= 20%" came last
+    assert math_verify_reward([carol.format(18)], answer=["20"], **answer_format) == [0.0]
+    assert math_verify_reward([carol.format(21)], answer=["20"], **answer_format) == [0.0]
+    assert math_verify_reward([carol.format(20)], answer=["20"], **answer_format) == [1.0]
+    assert math_verify_reward([pokemon.format(33)], answer=["33"], **answer_format) == [1.0]
+    assert math_verify_reward([pokemon.format(34)], answer=["33"], **answer_format) == [0.0]
+    assert math_verify_reward([nancy.format(6), nancy.format(7)], answer=["6", "6"], **answer_format) == [1.0, 0.0]
+
+
+DAPO_541 = "... so the maximum is $\\boxed{540}$.\nChecking once more, I get 541.\n\nAnswer: 541"
+DAPO_540 = "... so the maximum is $\\boxed{541}$.\nChecking once more, I get 540.\n\nAnswer: 540"
+
+
+@pytest.mark.parametrize("answer_format", [{"answer_format": ["dapo"]}, {}], ids=["dapo", "no column"])
+def test_dapo_last_answer_line_wins(answer_format):
+    assert math_verify_reward([DAPO_541], answer=["540"], **answer_format) == [0.0]
+    assert math_verify_reward([DAPO_540], answer=["540"], **answer_format) == [1.0]
+    assert math_verify_reward(["**Answer:** $540$."], answer=["540"], **answer_format) == [1.0]
+
+
+def test_dapo_format_needs_an_answer_line():
+    """DAPO's own checker scores a completion without an 'Answer:' line as wrong, whatever it boxed."""
+    assert math_verify_reward([r"\boxed{540}"], answer=["540"], answer_format="dapo") == [0.0]
+    assert math_verify_reward([r"\boxed{540}"], answer=["540"]) == [1.0]  # auto: the box is the final answer
+
+
+def test_boxed_format_takes_the_last_box():
+    text = r"First guess $\boxed{540}$; on reflection the answer is $\boxed{541}$."
+    assert math_verify_reward([text, text], answer=["541", "540"], answer_format=["boxed", "boxed"]) == [1.0, 0.0]
+    assert final_answer(text, "boxed") == r"\boxed{541}"
+    assert final_answer(r"\boxed{\frac{1}{2}} and more", "boxed") == r"\boxed{\frac{1}{2}}"
+    assert final_answer("Answer: 5\n\\boxed{6}", "auto") == r"\boxed{6}"  # auto: the last marker
+    assert final_answer("\\boxed{6}\nAnswer: 5", "auto") == "5"
+    assert final_answer("no marker 7", "gsm8k") == "no marker 7"  # no ####: as boxed, then the whole text
+    assert final_answer("no marker 7", "dapo") is None
+
+
+def test_unknown_answer_format_names_the_column():
+    with pytest.raises(ValueError, match="answer_format column.*'latex'"):
+        math_verify_reward(["1"], answer=["1"], answer_format=["latex"])
+    with pytest.raises(ValueError, match="2 completions but 1 answer_format"):
+        math_verify_reward(["1", "2"], answer=["1", "2"], answer_format=["boxed"])
+
+
+# --- a verifier call never stalls (item 5) ----------------------------------------------------------------------
+@pytest.fixture
+def short_verifier_timeout():
+    configure_verifier(timeout=2, workers=1)
+    yield
+    configure_verifier(timeout=float(os.environ.get("ARMOR_VERIFIER_TIMEOUT", 10)),
+                       workers=int(os.environ.get("ARMOR_VERIFIER_WORKERS", min(4, os.cpu_count() or 1))))
+
+
+@pytest.mark.parametrize("pathological", [r"\boxed{9^{9^{9^{9}}}}", "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}"],
+                         ids=["power tower", "5000 nested braces"])
+def test_pathological_input_in_a_worker_thread_times_out(short_verifier_timeout, pathological):
+    """math-verify's own timeouts need the main thread; from any thread the pool kills a stuck worker."""
+    result, before = {}, verifier_timeouts()
+
+    def call():
+        start = time.monotonic()
+        result["rewards"] = math_verify_reward([pathological, r"\boxed{2}", r"\boxed{3}"], answer=["2", "2", "2"])
+        result["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the reward call stalled"
+    assert result["rewards"] == [None, 1.0, 0.0]  # cannot judge the stuck one; the others are still judged
+    assert result["seconds"] < 30
+    assert verifier_timeouts() == before + 1
+    assert math_verify_reward([r"\boxed{4}"], answer=["4"]) == [1.0]  # the replaced worker serves later calls
+
+
+def test_configure_verifier_rejects_bad_values():
+    with pytest.raises(ValueError, match="timeout"):
+        configure_verifier(timeout=0)
+    with pytest.raises(ValueError, match="workers"):
+        configure_verifier(workers=0)
+
+
+def test_many_completions_across_workers_keep_their_order():
+    golds = [str(i) for i in range(40)]
+    completions = [rf"\boxed{{{i if i % 3 else i + 1}}}" for i in range(40)]
+    assert math_verify_reward(completions, answer=golds) == [0.0 if i % 3 == 0 else 1.0 for i in range(40)]
+
+
+# --- TRL's reward names (item 15) and a light import (item 19) ---------------------------------------------------
+@pytest.mark.parametrize("name", ["accuracy_reward", "reasoning_accuracy_reward", "think_format_reward"])
+def test_trl_reward_names(name):
+    import trl.rewards
+
+    assert resolve_reward(name) is getattr(trl.rewards, name)
+
+
+def test_trl_reward_works_from_a_recipe_name():
+    accuracy, think = resolve_rewards("accuracy_reward, think_format_reward")
+    assert accuracy([[{"role": "assistant", "content": r"\boxed{4}"}]], solution=["$4$"]) == [1.0]
+    assert think([[{"role": "assistant", "content": "<think>\nhm\n</think>\n4"}]]) == [1.0]
+
+
+def test_trl_reward_factories_explain_themselves():
+    with pytest.raises(ValueError, match="get_soft_overlong_punishment.*my_rewards"):
+        resolve_reward("get_soft_overlong_punishment")
+    with pytest.raises(ValueError, match="Unknown reward function 'accuracy_rewards'"):
+        resolve_reward("accuracy_rewards")  # a submodule of trl.rewards, not a reward
+
+
+def test_import_is_light():
+    """Reward workers import this module: no torch, transformers, TRL or math-verify in the parent."""
+    code = ("import sys, armor_trl.rewards as r; r.resolve_reward('math_verify'); "
+            "print([m for m in ('torch', 'transformers', 'trl', 'math_verify') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
