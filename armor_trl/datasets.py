@@ -1,36 +1,53 @@
-"""RLVR datasets as ``prompt`` + ``answer`` columns, and the synthetic arithmetic task of the demo.
+"""RLVR datasets as ``prompt`` + ``answer`` + ``answer_format`` columns, and the synthetic arithmetic task of the demo.
 
-:func:`load_rlvr_dataset` maps a dataset to the two columns the trainers and :mod:`armor_trl.rewards` use:
-``prompt`` (a string, or chat messages with ``chat=True``) and ``answer`` (the ground truth as a string).
-It loads by registry name (``gsm8k``, ``math``, ``math500``, ``dapo``, ``aime24``, ``aime25``: hub ids in
-:data:`DATASETS`, needs the hub), by any hub id, or from a local ``.json``/``.jsonl``/``.parquet``/``.csv``
-file or folder of the same schema. The schema (:data:`SCHEMAS`) is the registry's, given, or detected from
-the column names.
+:func:`load_rlvr_dataset` maps a dataset to the columns the trainers and :mod:`armor_trl.rewards` use:
+``prompt`` (a string, or chat messages with ``chat=True``), ``answer`` (the ground truth as a string) and
+``answer_format`` (how ``math_verify`` finds the final answer of a completion: ``gsm8k``, ``boxed`` or
+``dapo``; see docs/verifiers.md). It loads by registry name (``gsm8k``, ``math``, ``math500``, ``dapo``,
+``aime24``, ``aime25``: hub ids in :data:`DATASETS`, needs the hub), by any hub id, or from a local
+``.json``/``.jsonl``/``.parquet``/``.csv`` file or folder of the same schema. The schema (:data:`SCHEMAS`) is
+the registry's, given, or detected from the column names and first rows.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass
 
 from datasets import Dataset, Features, Value, load_dataset
 
 # Instruction appended to math problems when ``instruction="default"``.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# DAPO-Math-17k's instruction around each problem (``instruction="dapo"``): the answer goes on an "Answer:" line.
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+_DAPO_INSTRUCTED = re.compile(r'"Answer:"|of the form Answer:')
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d+)?")
 
 
 def _gsm8k(row: dict) -> dict:
     """openai/gsm8k: ``question``; ``answer`` is a worked solution ending in ``#### 72``."""
-    return {"problem": row["question"], "answer": row["answer"].split("####")[-1].strip().replace(",", "")}
+    solution = str(row["answer"])
+    if "####" not in solution:
+        raise ValueError(f"GSM8K schema: the 'answer' field has no '#### <answer>' line: {solution[-80:]!r}. "
+                         "Is this a GSM8K file? Pass schema='math' (dataset_schema) for other question/answer files.")
+    final = solution.split("####")[-1].strip()
+    if _THOUSANDS.fullmatch(final):  # "1,234" -> "1234"; anything else is left as written
+        final = final.replace(",", "")
+    return {"problem": row["question"], "answer": final}
 
 
 def _math(row: dict) -> dict:
-    """MATH / MATH-500 / AIME: ``problem`` and ``answer``, else the full ``solution`` (math-verify reads its \\boxed{})."""
+    """MATH / MATH-500 / AIME: ``problem`` (else ``question``) and ``answer``, else the full ``solution``
+    (math-verify reads its \\boxed{})."""
     answer = row.get("answer")
     if answer is None or str(answer).strip() == "":
         answer = row.get("solution")
-    return {"problem": row["problem"], "answer": None if answer is None else str(answer)}
+    problem = row["problem"] if row.get("problem") is not None else row.get("question")
+    return {"problem": problem, "answer": None if answer is None else str(answer)}
 
 
 def _dapo(row: dict) -> dict:
@@ -48,6 +65,8 @@ def _prompt_answer(row: dict) -> dict:
 
 
 SCHEMAS = {"gsm8k": _gsm8k, "math": _math, "aime": _math, "dapo": _dapo, "prompt_answer": _prompt_answer}
+# The final-answer rule of math_verify (armor_trl.rewards) for each schema's own answers.
+ANSWER_FORMATS = {"gsm8k": "gsm8k", "math": "boxed", "aime": "boxed", "dapo": "dapo", "prompt_answer": "auto"}
 
 
 @dataclass(frozen=True)
@@ -71,15 +90,21 @@ DATASETS = {
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def detect_schema(columns) -> str:
-    """The schema whose columns ``columns`` has (DAPO first: it also has a ``prompt`` column)."""
+def detect_schema(columns, rows=()) -> str:
+    """The schema of a dataset with ``columns``, whose first ``rows`` (dicts) tell GSM8K apart.
+
+    DAPO first (it also has a ``prompt`` column); ``problem`` + ``answer``/``solution`` is MATH/AIME even when
+    a ``question`` column is there too (AIME 2024 copies); ``question`` + ``answer`` is GSM8K only when the
+    answers are worked solutions ending in ``#### N``, else MATH-like with ``question`` as the problem.
+    """
     columns = set(columns)
     if {"prompt", "reward_model"} <= columns:
         return "dapo"
-    if {"question", "answer"} <= columns:
-        return "gsm8k"
     if "problem" in columns and columns & {"answer", "solution"}:
         return "math"
+    if {"question", "answer"} <= columns:
+        rows = list(rows)
+        return "gsm8k" if rows and all("####" in str(row["answer"]) for row in rows) else "math"
     if {"prompt", "answer"} <= columns:
         return "prompt_answer"
     raise ValueError(
@@ -88,10 +113,23 @@ def detect_schema(columns) -> str:
     )
 
 
+def has_dapo_instruction(problem: str) -> bool:
+    """Whether a problem already carries DAPO's "Answer:" instruction (DAPO-Math-17k's prompts do)."""
+    return bool(_DAPO_INSTRUCTED.search(problem))
+
+
 def format_prompt(problem: str, chat: bool = False, system_prompt: str | None = None, instruction: str | None = None):
-    """The prompt for one problem: ``instruction`` appended (``"default"`` = :data:`BOXED_INSTRUCTION`);
-    with ``chat=True`` a message list with an optional system message."""
-    if instruction:
+    """The prompt for one problem, with ``chat=True`` a message list with an optional system message.
+
+    ``instruction``: ``"default"`` appends :data:`BOXED_INSTRUCTION`, ``"dapo"`` wraps the problem in DAPO-Math-17k's
+    template (:data:`DAPO_PREFIX`, :data:`DAPO_SUFFIX`), other text is appended as is. A problem that already carries
+    DAPO's instruction gets neither ``"default"`` nor ``"dapo"``.
+    """
+    if instruction in ("default", "dapo") and has_dapo_instruction(problem):
+        pass
+    elif instruction == "dapo":
+        problem = f"{DAPO_PREFIX}{problem}{DAPO_SUFFIX}"
+    elif instruction:
         problem = f"{problem}\n\n{BOXED_INSTRUCTION if instruction == 'default' else instruction}"
     if not chat:
         return problem if system_prompt is None else f"{system_prompt}\n\n{problem}"
@@ -120,8 +158,9 @@ def load_rlvr_dataset(
     system_prompt: str | None = None,
     instruction: str | None = None,
     limit: int | None = None,
+    answer_format: str | None = None,
 ) -> Dataset:
-    """Load ``source`` (registry name, hub id, local file or folder) as a dataset with ``prompt`` and ``answer``.
+    """Load ``source`` (registry name, hub id, local file or folder) as ``prompt``, ``answer``, ``answer_format``.
 
     Args:
         source: a key of :data:`DATASETS`, a hub id, or a local path (``.json``/``.jsonl``/``.parquet``/``.csv``).
@@ -130,26 +169,33 @@ def load_rlvr_dataset(
         schema: one of :data:`SCHEMAS`; ``None`` = the registry's or detected from the columns.
         chat, system_prompt, instruction: how prompts are written (see :func:`format_prompt`).
         limit: keep only the first ``limit`` rows.
+        answer_format: the final-answer rule math_verify applies to completions (``boxed``, ``gsm8k``, ``dapo``,
+            ``auto``). Default: ``dapo`` for prompts carrying DAPO's instruction (``instruction="dapo"``, DAPO-Math-17k),
+            else the schema's (:data:`ANSWER_FORMATS`).
     Other columns are dropped, except that a dataset's own ``solution`` is kept.
     """
     if source == "arithmetic":
         raise ValueError("Use arithmetic_dataset() (or dataset_name 'arithmetic' in a recipe) for the synthetic task.")
     raw, registry_schema = _load_raw(source, split, name)
-    schema = schema or registry_schema or detect_schema(raw.column_names)
+    schema = schema or registry_schema or detect_schema(raw.column_names, raw.select(range(min(5, len(raw)))))
     if schema not in SCHEMAS:
         raise ValueError(f"Unknown schema {schema!r}: expected one of {sorted(SCHEMAS)}.")
+    if answer_format not in (None, "auto", "boxed", "gsm8k", "dapo"):
+        raise ValueError(f"Unknown answer_format {answer_format!r}: expected auto, boxed, gsm8k or dapo.")
     if limit is not None:
         raw = raw.select(range(min(limit, len(raw))))
     adapter = SCHEMAS[schema]
 
     def convert(row):
         mapped = adapter(row)
-        return {"prompt": format_prompt(mapped["problem"], chat, system_prompt, instruction), "answer": mapped["answer"]}
+        dapo = instruction == "dapo" or has_dapo_instruction(mapped["problem"])
+        return {"prompt": format_prompt(mapped["problem"], chat, system_prompt, instruction), "answer": mapped["answer"],
+                "answer_format": answer_format or ("dapo" if dapo else ANSWER_FORMATS[schema])}
 
     keep = [c for c in ("solution",) if c in raw.column_names]
     text = Value("string")
     features = Features({"prompt": [{"role": text, "content": text}] if chat else text, "answer": text,
-                         **{c: raw.features[c] for c in keep}})
+                         "answer_format": text, **{c: raw.features[c] for c in keep}})
     return raw.map(convert, remove_columns=[c for c in raw.column_names if c not in keep], features=features)
 
 

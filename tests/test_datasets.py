@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from datasets import Dataset
@@ -10,6 +11,8 @@ from datasets import Dataset
 import armor_trl.datasets as ds
 from armor_trl.datasets import (
     BOXED_INSTRUCTION,
+    DAPO_PREFIX,
+    DAPO_SUFFIX,
     arithmetic_problems,
     arithmetic_splits,
     detect_schema,
@@ -35,6 +38,7 @@ DAPO_ROWS = [
      "ability": "MATH", "reward_model": {"ground_truth": "42", "style": "rule-lighteval/MATH_v2"},
      "extra_info": {"index": "a1"}},
 ]
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 AIME_ROWS = [{"id": 60, "problem": "Find the remainder when $2^{10}$ is divided by $1000$.", "answer": 24, "year": 2024}]
 
 
@@ -50,7 +54,8 @@ def write_parquet(path, rows):
 
 def test_gsm8k_local_jsonl(tmp_path):
     data = load_rlvr_dataset(write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS))
-    assert data.column_names == ["prompt", "answer"]
+    assert data.column_names == ["prompt", "answer", "answer_format"]
+    assert data["answer_format"] == ["gsm8k", "gsm8k"]
     assert data["prompt"] == [row["question"] for row in GSM8K_ROWS]
     assert data["answer"] == ["72", "1234"]
     assert math_verify_reward(["so 72 clips\n#### 72", r"\boxed{1234}"], answer=data["answer"]) == [1.0, 1.0]
@@ -67,12 +72,14 @@ def test_math_solution_only_parquet(tmp_path):
 def test_math500_prefers_the_answer_column(tmp_path):
     data = load_rlvr_dataset(write_parquet(tmp_path / "math500.parquet", MATH500_ROWS))
     assert data[0]["answer"] == "9"
-    assert sorted(data.column_names) == ["answer", "prompt", "solution"]
+    assert sorted(data.column_names) == ["answer", "answer_format", "prompt", "solution"]
+    assert data[0]["answer_format"] == "boxed"
 
 
 def test_dapo_parquet(tmp_path):
     data = load_rlvr_dataset(write_parquet(tmp_path / "dapo.parquet", DAPO_ROWS))
-    assert data.column_names == ["prompt", "answer"]
+    assert data.column_names == ["prompt", "answer", "answer_format"]
+    assert data[0]["answer_format"] == "dapo"
     assert data[0]["prompt"] == DAPO_ROWS[0]["prompt"][0]["content"]
     assert data[0]["answer"] == "42"
     assert math_verify_reward(["6*7 = 42\nAnswer: 42"], answer=data["answer"]) == [1.0]
@@ -82,11 +89,11 @@ def test_aime_json_with_integer_answers(tmp_path):
     path = tmp_path / "aime.json"
     path.write_text(json.dumps(AIME_ROWS))
     data = load_rlvr_dataset(str(path), schema="aime")
-    assert data[0] == {"prompt": AIME_ROWS[0]["problem"], "answer": "24"}
+    assert data[0] == {"prompt": AIME_ROWS[0]["problem"], "answer": "24", "answer_format": "boxed"}
 
 
 def test_schema_detection_and_errors(tmp_path):
-    assert detect_schema(["question", "answer"]) == "gsm8k"
+    assert detect_schema(["question", "answer"], GSM8K_ROWS) == "gsm8k"
     assert detect_schema(["problem", "solution", "level"]) == "math"
     assert detect_schema(["prompt", "reward_model", "ability"]) == "dapo"
     assert detect_schema(["prompt", "answer"]) == "prompt_answer"
@@ -110,6 +117,92 @@ def test_chat_prompts_system_and_instruction(tmp_path):
     ]
     assert format_prompt("1+1=", chat=True) == [{"role": "user", "content": "1+1="}]
     assert format_prompt("1+1=", instruction="Answer only.") == "1+1=\n\nAnswer only."
+
+
+# --- issue 9, item 2: GSM8K is told by its "#### N" answers; only numbers lose their thousands separators ---------
+def test_question_answer_files_are_gsm8k_only_with_hash_answers(tmp_path):
+    assert detect_schema(["question", "answer"], GSM8K_ROWS) == "gsm8k"
+    pairs = [{"question": "Solve $x+y=-14$, $x-y=44$ for $(x, y)$.", "answer": "(15,-29)"},
+             {"question": "How many?", "answer": "1,234"}]
+    assert detect_schema(["question", "answer"], pairs) == "math"
+    assert detect_schema(["question", "answer"]) == "math"  # no rows to look at: not GSM8K
+    data = load_rlvr_dataset(write_jsonl(tmp_path / "qa.jsonl", pairs))
+    assert data["answer"] == ["(15,-29)", "1,234"]  # never rewritten (math-verify reads "1,234" as 1234 anyway)
+    assert data["prompt"] == [row["question"] for row in pairs]
+    assert data["answer_format"] == ["boxed", "boxed"]
+
+
+def test_aime24_copy_with_a_question_column_is_math():
+    """MobileLLM/BudgetThinker evaluation/data/aime24/test.jsonl (rows 1 and 8): id, problem, solution, answer ("025"),
+    url and a question column equal to the problem."""
+    path = os.path.join(FIXTURES, "aime24_with_question_column.jsonl")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    assert detect_schema(rows[0].keys(), rows) == "math"
+    data = load_rlvr_dataset(path)
+    assert data["answer"] == ["204", "025"]  # as written: the leading zero is not stripped
+    assert data["prompt"] == [row["problem"] for row in rows]
+    assert math_verify_reward([r"\boxed{25}", r"\boxed{205}"], answer=["025", "025"],
+                              answer_format=data["answer_format"]) == [1.0, 0.0]
+
+
+def test_gsm8k_strips_thousands_separators_from_numbers_only(tmp_path):
+    rows = [{"question": "q1", "answer": "work\n#### 1,234,567"}, {"question": "q2", "answer": "work\n#### -1,000.5"},
+            {"question": "q3", "answer": "work\n#### (15,-29)"}, {"question": "q4", "answer": "work\n#### 12,34"}]
+    data = load_rlvr_dataset(write_jsonl(tmp_path / "g.jsonl", rows))
+    assert data["answer"] == ["1234567", "-1000.5", "(15,-29)", "12,34"]
+
+
+def test_gsm8k_schema_on_a_file_without_hash_answers_names_the_field(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "(15,-29)"}])
+    with pytest.raises(ValueError, match="GSM8K schema: the 'answer' field has no '#### <answer>' line"):
+        load_rlvr_dataset(path, schema="gsm8k")
+
+
+# --- items 4 and 7: the final-answer rule per row, and DAPO's instruction ------------------------------------------
+def dapo_aime_rows():
+    """Two rows of the DAPO authors' AIME 2024 file (BytedTsinghua-SIA/DAPO, eval/aime-2024.parquet, the
+    DAPO-Math-17k schema), as JSON lines."""
+    return os.path.join(FIXTURES, "dapo_aime2024_rows.jsonl")
+
+
+def test_dapo_template_is_dapos_own():
+    with open(dapo_aime_rows()) as f:
+        rows = [json.loads(line) for line in f]
+    for row in rows:
+        assert format_prompt(row["extra_info"]["raw_problem"], instruction="dapo") == row["prompt"][0]["content"]
+
+
+@pytest.mark.parametrize("instruction", [None, "default", "dapo"])
+def test_dapo_prompts_get_no_second_instruction(instruction):
+    data = load_rlvr_dataset(dapo_aime_rows(), chat=True, instruction=instruction)
+    assert data["answer"] == ["540", "113"]
+    assert data["answer_format"] == ["dapo", "dapo"]
+    for prompt in data["prompt"]:
+        content = prompt[-1]["content"]
+        assert content.startswith(DAPO_PREFIX) and content.endswith(DAPO_SUFFIX)
+        assert content.count("Answer:") == 2 and "boxed" not in content
+    answers = ["The maximum is $\\boxed{540}$ ... recheck: 541.\nAnswer: 541", "so it is 113.\nAnswer: 113"]
+    assert math_verify_reward(answers, answer=data["answer"], answer_format=data["answer_format"]) == [0.0, 1.0]
+
+
+def test_bare_problems_validate_with_dapos_instruction():
+    """An AIME file used as the held-out set of a DAPO run: the training prompt format and the "Answer:" rule."""
+    data = load_rlvr_dataset(os.path.join(FIXTURES, "aime24_with_question_column.jsonl"), chat=True, instruction="dapo")
+    assert data["answer_format"] == ["dapo", "dapo"]
+    with open(os.path.join(FIXTURES, "aime24_with_question_column.jsonl")) as f:
+        problem = json.loads(f.readline())["problem"]
+    assert data[0]["prompt"][0]["content"] == DAPO_PREFIX + problem + DAPO_SUFFIX
+
+
+def test_answer_format_by_schema_and_override(tmp_path):
+    gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    assert load_rlvr_dataset(gsm8k, instruction="default")["answer_format"] == ["gsm8k", "gsm8k"]
+    assert load_rlvr_dataset(gsm8k, answer_format="boxed")["answer_format"] == ["boxed", "boxed"]
+    pairs = write_jsonl(tmp_path / "pa.jsonl", [{"prompt": "1+1?", "answer": "2"}])
+    assert load_rlvr_dataset(pairs)["answer_format"] == ["auto"]
+    with pytest.raises(ValueError, match="Unknown answer_format 'latex'"):
+        load_rlvr_dataset(pairs, answer_format="latex")
 
 
 def test_registry_names_load_from_the_hub(monkeypatch):
