@@ -11,6 +11,7 @@ from .mixed_ratio import default_alpha
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ANCHOR_FILTERS = ("drop", "keep")
 ANCHOR_SELECTIONS = ("correct", "any", "incorrect")
+ANCHOR_SOURCES = ("reference", "column")
 
 
 @dataclass
@@ -200,6 +201,27 @@ class ArmorConfig(GRPOConfig):
         default=1.0,
         metadata={"help": "λ: weight of the anchor tokens' loss terms (the half-group variant's anchor loss weight)."},
     )
+    anchor_source: str = field(
+        default="reference",
+        metadata={
+            "help": "Where anchors come from. 'reference': rejection sampling from π_ref during training (the paper). "
+            "'column': the training dataset's `anchor_column` (pre-generated with `armor-trl anchors`, or teacher / "
+            "ground-truth solutions); no reference generation happens, the mixed ratio still uses π_ref's log-probs "
+            "of the anchor, and a column anchor below `anchor_reward_threshold` counts as missing. Column anchors "
+            "were sampled from the initial reference (or are not π_ref samples at all), so after the first reference "
+            "reset the trainer switches to online sampling from the new reference ('reference'). Needs "
+            "anchors_per_group=1 and anchor_selection='correct'.",
+            "choices": list(ANCHOR_SOURCES),
+        },
+    )
+    anchor_column: str = field(
+        default="anchors",
+        metadata={
+            "help": "With anchor_source='column': the dataset column holding each row's anchor, a string or a list of "
+            "strings (completion text; for chat prompts the assistant message's text). With several, a seeded "
+            "rotation picks one per visit of the prompt; an empty list means no anchor (see `anchor_filter`)."
+        },
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -304,6 +326,27 @@ class ArmorConfig(GRPOConfig):
                 f"anchors_per_group=1 (got {self.anchor_selection!r} and {self.anchors_per_group})."
             )
 
+    def _check_anchor_source(self) -> None:
+        if self.anchor_source not in ANCHOR_SOURCES:
+            raise ValueError(f"anchor_source must be one of {list(ANCHOR_SOURCES)}, got {self.anchor_source!r}.")
+        if not isinstance(self.anchor_column, str) or not self.anchor_column:
+            raise ValueError(f"anchor_column must be a non-empty column name, got {self.anchor_column!r}.")
+        if self.anchor_source != "column":
+            return
+        conflicts = {
+            "use_anchors=False": not self.use_anchors,
+            f"anchors_per_group={self.anchors_per_group}": self.anchors_per_group != 1,
+            f"anchor_selection={self.anchor_selection!r}": self.anchor_selection != "correct",
+            "anchor_gate_only=True": self.anchor_gate_only,
+        }
+        for what, present in conflicts.items():
+            if present:
+                raise ValueError(
+                    f"anchor_source='column' cannot be combined with {what}: a column gives one anchor per group, "
+                    "verified with the reward functions (anchors_per_group=1, anchor_selection='correct', "
+                    "use_anchors=True, anchor_gate_only=False)."
+                )
+
     def _check_armor_fields(self) -> None:
         if self.armor_alpha is not None and not 0.0 < self.armor_alpha <= 1.0:
             raise ValueError(f"armor_alpha must lie in (0, 1] (or be None for (G-1)/G), got {self.armor_alpha}.")
@@ -330,6 +373,7 @@ class ArmorConfig(GRPOConfig):
                 raise ValueError(f"ref_reset_at_steps must hold positive optimizer steps, got {self.ref_reset_at_steps}.")
             self.ref_reset_at_steps = sorted({int(s) for s in self.ref_reset_at_steps})
         self._check_loop_fields()
+        self._check_anchor_source()
         if not self.armor_enabled:
             return  # both switches off: plain GRPOTrainer, whatever GRPOConfig allows
         if self.beta != 0.0:

@@ -32,6 +32,7 @@ from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable
 from . import trl_seam as seam
 from .advantages import DROP_REASONS, dynamic_sampling_keep, group_advantages
 from .anchors import AnchorCache, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
+from .column_anchors import ColumnAnchors, verify_round
 from .config import ArmorConfig
 from .mixed_ratio import k3_kl, mixed_logprobs
 from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference, latest_complete_checkpoint
@@ -46,6 +47,7 @@ LOOP_FIELDS = (
     "dynamic_sampling", "dynamic_sampling_keep_unsolved", "dynamic_sampling_max_rounds", "advantage_quantile",
     "armor_alpha_decay_steps", "ref_reset_at_steps", "anchor_selection", "anchor_gate_only", "off_policy_ratio",
     "mask_negative_anchor_advantage", "anchor_reward_funcs", "anchors_per_group", "anchor_loss_weight",
+    "anchor_source", "anchor_column",
 )
 
 
@@ -151,6 +153,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if args.use_anchors and self._is_vlm:
             raise ValueError("use_anchors=True does not support vision-language models (multimodal prompts) yet.")
         self._anchor_funcs = self._anchor_func_mask(args.anchor_reward_funcs)
+        self._column_anchors = None
+        if args.use_anchors and args.anchor_source == "column":
+            self._column_anchors = ColumnAnchors(args.anchor_column, args.seed, self._tokenizer, self.max_completion_length)
+            self._column_anchors.check_dataset(train_dataset)
         if is_peft_model(self.model):
             self._check_lora_with_vllm()
             self.reference = ReferencePolicy.lora(self.model)
@@ -488,6 +494,11 @@ class ArmorGRPOTrainer(GRPOTrainer):
         Where no candidate is eligible the slot still gets a candidate (so shapes stay fixed) and
         ``_armor_round["found"]`` marks it; it is then excluded from its group.
         """
+        if self._column_anchors is not None and self._column_anchors.active(self.reference.resets):
+            anchors, self._armor_round = self._column_anchors.round_anchors(
+                group_prompt_ids, group_inputs, self.accelerator.device
+            )
+            return anchors
         k, threshold = self.args.anchor_num_samples, self.args.anchor_reward_threshold
         per_group = max(self._anchor_slots, 1)
         groups = len(group_prompt_ids)
@@ -569,6 +580,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._round_rewards = rewards
+        if self._armor_round is not None and self._armor_round.get("column"):
+            self._verify_column_anchors(rewards, len(prompts))
         self._log_anchor_column(len(prompts))
         if self._armor_round is None:
             return rewards
@@ -581,6 +594,15 @@ class ArmorGRPOTrainer(GRPOTrainer):
         policy_rewards = self._total_rewards(rewards)[is_policy.repeat(len(rewards) // rows)]
         seam.log_metric(self, "armor/policy_reward_mean", torch.nanmean(policy_rewards).item())
         return rewards
+
+    def _verify_column_anchors(self, rewards: torch.Tensor, rows: int) -> None:
+        """A column anchor below anchor_reward_threshold counts as missing (scored by TRL as a group member)."""
+        rank = self.accelerator.process_index
+        local = rewards[rank * rows : (rank + 1) * rows][self._slots(rows, rewards.device)]
+        weights = self.reward_weights.to(rewards.device)
+        counts = verify_round(self._armor_round, local, weights, self.args.anchor_reward_threshold, self._anchor_funcs)
+        offered, rejected = self.accelerator.reduce(torch.tensor(counts, device=rewards.device), reduction="sum").tolist()
+        seam.log_metric(self, "armor/column_anchor_rejected_frac", rejected / offered if offered else math.nan)
 
     def _log_anchor_column(self, rows: int) -> None:
         """Add an ``anchor`` column (True on anchor rows) to TRL's completions table (``log_completions``).
@@ -738,6 +760,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
             "config": self._armor_fingerprint(),
             "anchor_cache": None if self.anchor_cache is None else self.anchor_cache.state_dict(),
         }
+        if self._column_anchors is not None:
+            extra["column_anchors"] = self._column_anchors.state_dict()
         self.reference.save(directory, self._unwrapped_policy(), extra, write=self.args.should_save)
         if self.args.should_save and limit:
             rotate_checkpoints(run_dir, limit, best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
@@ -751,6 +775,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
         state = self.reference.load(checkpoint, self._unwrapped_policy())
         if self.anchor_cache is not None and state.get("anchor_cache") is not None:
             self.anchor_cache.load_state_dict(state["anchor_cache"])
+        if self._column_anchors is not None and state.get("column_anchors") is not None:
+            self._column_anchors.load_state_dict(state["column_anchors"])
 
     # --- mixed optimization ------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
