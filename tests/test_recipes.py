@@ -16,7 +16,8 @@ import yaml
 from datasets import Dataset
 
 import armor_trl.datasets
-from armor_trl.cli import main, parse_train_args
+from armor_trl.cli import main, parse_train_args, train_datasets
+from armor_trl.datasets import DAPO_PREFIX, DAPO_SUFFIX
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))  # not configs/accelerate/
@@ -119,7 +120,7 @@ def test_batch_arithmetic_with_eight_processes(name):
 # --- the recipes' data settings against local stand-ins of their hub datasets ---------------------------------
 def _fake_hub(calls):
     """load_dataset for the hub datasets the recipes name: the real schema and splits, three rows."""
-    dapo_prompt = "Solve the following math problem step by step. ...\n\nWhat is 2+3?\n\nRemember ... \"Answer:\"."
+    dapo_prompt = f"{DAPO_PREFIX}What is 2+3?{DAPO_SUFFIX}"  # DAPO-Math-17k's template around each problem
     tables = {
         ("BytedTsinghua-SIA/DAPO-Math-17k", None): {"train": {
             "data_source": ["math_dapo"] * 3, "ability": ["MATH"] * 3,
@@ -158,6 +159,18 @@ def test_recipe_data_settings_on_local_stand_ins(name, monkeypatch, tiny_model_p
         assert calls == [("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"),
                          ("HuggingFaceH4/aime_2024", None, "train")]  # AIME 2024's only split is "train"
         assert "'content': 'Solve the following math problem" in out  # DAPO's own instruction, as a chat message
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_recipes_validate_in_the_training_prompt_format(name, monkeypatch):
+    """Issue 9, item 7: AIME is validated with DAPO's instruction, as DAPO-Math-17k is trained, and the verifier
+    reads the "Answer:" line in both; DAPO's own prompts get no second (boxed) instruction."""
+    monkeypatch.setattr(armor_trl.datasets, "load_dataset", _fake_hub([]))
+    script, _, _, _ = parse_train_args(["--config", str(CONFIGS / name), "--dry_run"])
+    train, held_out = train_datasets(script)
+    assert train[0]["prompt"] == [{"role": "user", "content": f"{DAPO_PREFIX}What is 2+3?{DAPO_SUFFIX}"}]
+    assert held_out[0]["prompt"] == [{"role": "user", "content": f"{DAPO_PREFIX}Find x.{DAPO_SUFFIX}"}]
+    assert set(train["answer_format"]) == set(held_out["answer_format"]) == {"dapo"}
 
 
 def test_dry_run_describes_unreachable_hub_datasets(monkeypatch, tiny_model_path, capsys):
