@@ -94,17 +94,21 @@ class AnchorCache:
     so a prompt that already has one needs no new candidates. ``reference_version`` (the reset count)
     invalidates everything on a reset. Bounded: least recently used entries go first.
 
+    It keeps up to ``per_prompt`` verified anchors per prompt and rotates among them; a prompt counts as a hit
+    (no new candidates) once it holds ``per_prompt`` of them. ``per_prompt=1`` keeps one anchor per prompt.
+
     Optionally it also remembers *failures*: prompts whose K candidates were all unverified, with one
     of those candidates to fill the slot. A remembered failure is skipped for ``retry_every − 1``
     visits, then sampled again.
     """
 
-    def __init__(self, max_entries: int):
+    def __init__(self, max_entries: int, per_prompt: int = 1):
         from collections import OrderedDict
 
-        self.max_entries = max_entries
+        self.max_entries, self.per_prompt = max_entries, per_prompt
         self.reference_version = 0
-        self._entries: "OrderedDict[tuple, tuple[list[int], float]]" = OrderedDict()
+        self._entries: "OrderedDict[tuple, list[tuple[list[int], float]]]" = OrderedDict()  # oldest anchor first
+        self._turns: dict[tuple, int] = {}  # prompt -> anchors handed out (the rotation's position)
         self._failures: "OrderedDict[tuple, list]" = OrderedDict()  # prompt -> [filler completion, visits skipped]
 
     def __len__(self) -> int:
@@ -114,23 +118,32 @@ class AnchorCache:
         """Drop every entry if the reference changed since they were stored."""
         if reference_version != self.reference_version:
             self._entries.clear()
+            self._turns.clear()
             self._failures.clear()
             self.reference_version = reference_version
 
-    def get(self, prompt_ids) -> tuple[list[int], float] | None:
+    def get(self, prompt_ids, partial: bool = False) -> tuple[list[int], float] | None:
+        """The prompt's next anchor in rotation, once it holds ``per_prompt`` of them (any number with ``partial``)."""
         key = tuple(prompt_ids)
-        if key not in self._entries:
+        anchors = self._entries.get(key)
+        if not anchors or (len(anchors) < self.per_prompt and not partial):
             return None
         self._entries.move_to_end(key)
-        return self._entries[key]
+        turn = self._turns.get(key, 0)
+        self._turns[key] = turn + 1
+        return anchors[turn % len(anchors)]
 
     def put(self, prompt_ids, completion_ids: list[int], reward: float) -> None:
+        """Add a verified anchor; beyond ``per_prompt`` the prompt's oldest one goes."""
         key = tuple(prompt_ids)
         self._failures.pop(key, None)
-        self._entries[key] = (list(completion_ids), float(reward))
+        anchors = self._entries.setdefault(key, [])
+        if all(ids != list(completion_ids) for ids, _ in anchors):
+            anchors.append((list(completion_ids), float(reward)))
+        del anchors[: -self.per_prompt]
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            self._turns.pop(self._entries.popitem(last=False)[0], None)
 
     def known_failure(self, prompt_ids, retry_every: int) -> list[int] | None:
         """The filler completion of a remembered failure to skip now, or None (unknown, or due for a retry)."""
@@ -152,9 +165,10 @@ class AnchorCache:
             self._failures.popitem(last=False)
 
     def state_dict(self) -> dict:
-        entries = [[list(k), ids, reward] for k, (ids, reward) in self._entries.items()]
+        entries = [[list(k), ids, reward] for k, anchors in self._entries.items() for ids, reward in anchors]
         failures = [[list(k), filler, skipped] for k, (filler, skipped) in self._failures.items()]
-        return {"reference_version": self.reference_version, "entries": entries, "failures": failures}
+        turns = [[list(k), turn] for k, turn in self._turns.items()]
+        return {"reference_version": self.reference_version, "entries": entries, "failures": failures, "turns": turns}
 
     def load_state_dict(self, state: dict) -> None:
         self._entries.clear()
@@ -164,3 +178,4 @@ class AnchorCache:
             self.put(key, ids, reward)
         for key, filler, skipped in state.get("failures", []):
             self._failures[tuple(key)] = [filler, skipped]
+        self._turns = {tuple(key): turn for key, turn in state.get("turns", [])}

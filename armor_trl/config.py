@@ -77,6 +77,15 @@ class ArmorConfig(GRPOConfig):
         default=100_000,
         metadata={"help": "Most prompts the anchor cache holds; the least recently used go first."},
     )
+    anchor_cache_per_prompt: int = field(
+        default=1,
+        metadata={
+            "help": "With anchor_cache: verified anchors kept per prompt (up to this many of a round's verified "
+            "candidates, the chosen one first). A prompt is sampled again until it holds this many; from then on its "
+            "visits rotate among them without sampling. A round that finds no verified candidate for a prompt reuses "
+            "one it already holds. 1 keeps one anchor per prompt."
+        },
+    )
     anchor_cache_failures: bool = field(
         default=False,
         metadata={
@@ -354,6 +363,10 @@ class ArmorConfig(GRPOConfig):
             raise ValueError(f"anchor_num_samples must be an integer >= 1, got {self.anchor_num_samples}.")
         if self.anchor_cache_size < 1:
             raise ValueError(f"anchor_cache_size must be an integer >= 1, got {self.anchor_cache_size}.")
+        if self.anchor_cache_per_prompt < 1:
+            raise ValueError(f"anchor_cache_per_prompt must be an integer >= 1, got {self.anchor_cache_per_prompt}.")
+        if self.anchor_cache_per_prompt > 1 and not self.anchor_cache:
+            raise ValueError("anchor_cache_per_prompt > 1 needs anchor_cache=True (the anchors are kept in the anchor cache).")
         if self.anchor_failure_retry_every < 1:
             raise ValueError(
                 f"anchor_failure_retry_every must be an integer >= 1, got {self.anchor_failure_retry_every}."

@@ -47,7 +47,7 @@ LOOP_FIELDS = (
     "dynamic_sampling", "dynamic_sampling_keep_unsolved", "dynamic_sampling_max_rounds", "advantage_quantile",
     "armor_alpha_decay_steps", "ref_reset_at_steps", "anchor_selection", "anchor_gate_only", "off_policy_ratio",
     "mask_negative_anchor_advantage", "anchor_reward_funcs", "anchors_per_group", "anchor_loss_weight",
-    "anchor_source", "anchor_column",
+    "anchor_source", "anchor_column", "anchor_cache_per_prompt",
 )
 
 
@@ -113,7 +113,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
             self._check_inputs(train_dataset, processing_class, environment_factory)
 
         self.reference: ReferencePolicy | None = None
-        self.anchor_cache = AnchorCache(args.anchor_cache_size) if args.anchor_cache and args.use_anchors else None
+        self.anchor_cache = None
+        if args.anchor_cache and args.use_anchors:
+            self.anchor_cache = AnchorCache(args.anchor_cache_size, args.anchor_cache_per_prompt)
         self._armor_inputs = None  # the rows of the generation round being built (anchor rounds only)
         self._armor_round = None  # anchors found in that round
         self._armor_loss_ctx = None  # reference log-probs of the micro-batch whose loss is being computed
@@ -542,7 +544,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
             chosen, chosen_reward = select_anchors(
                 rewards, weights, k, threshold, per_group, self.args.anchor_selection, self._anchor_funcs
             )
-            verified_frac = verified_mask(rewards, weights, threshold, self._anchor_funcs).float()[: len(used) * k]
+            verified = verified_mask(rewards, weights, threshold, self._anchor_funcs)
+            verified_frac = verified.float()[: len(used) * k]
+            totals = (torch.nan_to_num(rewards) * weights).sum(dim=1)
             for position, g in enumerate(used):
                 for slot in range(per_group):
                     index = int(chosen[position, slot])
@@ -550,9 +554,15 @@ class ArmorGRPOTrainer(GRPOTrainer):
                     if index >= 0:
                         rewards_out[g, slot] = chosen_reward[position, slot].item()
                 if self.anchor_cache is not None:
-                    if int(chosen[position, 0]) >= 0:
-                        self.anchor_cache.put(group_prompt_ids[g], anchors[g][0], rewards_out[g, 0].item())
-                    elif self.args.anchor_cache_failures:
+                    # keep up to anchor_cache_per_prompt verified candidates, the chosen anchor first
+                    span = range(position * k, (position + 1) * k)
+                    fresh = [i for i in span if verified[i]][: self.args.anchor_cache_per_prompt]
+                    for i in fresh:
+                        self.anchor_cache.put(group_prompt_ids[g], candidate_ids[i], totals[i].item())
+                    kept = None if fresh else self.anchor_cache.get(group_prompt_ids[g], partial=True)
+                    if kept is not None:  # no verified candidate now, but the prompt has a kept anchor
+                        anchors[g][0], rewards_out[g, 0] = kept
+                    elif not fresh and self.args.anchor_cache_failures:
                         self.anchor_cache.put_failure(group_prompt_ids[g], anchors[g][0])
         device = self.accelerator.device
         found = ~torch.isnan(rewards_out).to(device)

@@ -123,3 +123,55 @@ def test_failures_need_the_anchor_cache(tmp_path):
 
     with pytest.raises(ValueError, match="anchor_cache_failures=True needs anchor_cache=True"):
         ArmorConfig(output_dir=str(tmp_path), anchor_cache_failures=True, **cpu_args())
+
+
+# --- several anchors per prompt (anchor_cache_per_prompt) --------------------------------------------------------
+def test_several_anchors_per_prompt_rotate_once_the_prompt_is_full():
+    cache = AnchorCache(max_entries=4, per_prompt=2)
+    cache.put([1], [10], 1.0)
+    assert cache.get([1]) is None  # one of two: still sampled
+    assert cache.get([1], partial=True) == ([10], 1.0)  # ... but usable when a round finds nothing
+    cache.put([1], [10], 1.0)  # the same completion twice is kept once
+    cache.put([1], [11], 0.9)
+    assert [cache.get([1])[0] for _ in range(4)] == [[11], [10], [11], [10]]
+    cache.put([1], [12], 1.0)  # beyond two: the oldest goes
+    assert sorted(cache.get([1])[0] + cache.get([1])[0]) == [11, 12]
+    restored = AnchorCache(max_entries=4, per_prompt=2)
+    restored.load_state_dict(cache.state_dict())
+    assert [restored.get([1]) for _ in range(3)] == [cache.get([1]) for _ in range(3)]  # rotation continues
+    assert len(cache) == 1
+
+
+def test_trainer_keeps_and_rotates_several_anchors(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
+    from test_trainer import capture_rounds
+
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path, reward_funcs=digit_share_reward,
+        anchor_reward_threshold=0.01, anchor_cache=True, anchor_cache_per_prompt=2, max_steps=5,
+    )
+    rows = count_reference_rows(monkeypatch, trainer)
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    assert all(len(anchors) == 2 for anchors in trainer.anchor_cache._entries.values())
+    assert len(rows) < 5 and logged(trainer, "armor/anchor_cache_hit_frac")[-1] == 1.0
+    used = {}
+    for out in rounds[len(rows):]:  # rounds served from the cache
+        for slot in (3, 7):
+            prompt = tuple(out["prompt_ids"][slot][out["prompt_mask"][slot].bool()].tolist())
+            used.setdefault(prompt, []).append(out["completion_ids"][slot][out["completion_mask"][slot].bool()].tolist())
+    for prompt, anchors in used.items():
+        kept = [ids for ids, _ in trainer.anchor_cache._entries[prompt]]
+        assert all(a in kept for a in anchors) and all(a != b for a, b in zip(anchors, anchors[1:]))
+    assert sum(len(a) for a in used.values()) >= 4
+
+
+def test_several_anchors_per_prompt_need_the_cache(tmp_path):
+    import pytest
+
+    from armor_trl import ArmorConfig
+    from conftest import cpu_args
+
+    with pytest.raises(ValueError, match="anchor_cache_per_prompt > 1 needs anchor_cache=True"):
+        ArmorConfig(output_dir=str(tmp_path), anchor_cache_per_prompt=2, **cpu_args())
+    with pytest.raises(ValueError, match="anchor_cache_per_prompt must be"):
+        ArmorConfig(output_dir=str(tmp_path), anchor_cache=True, anchor_cache_per_prompt=0, **cpu_args())
