@@ -11,6 +11,7 @@ from .mixed_ratio import default_alpha
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ANCHOR_FILTERS = ("drop", "keep")
 ANCHOR_SELECTIONS = ("correct", "any", "incorrect")
+COLLAPSE_GUARD_ACTIONS = ("stop", "armor")
 ANCHOR_SOURCES = ("reference", "column")
 
 
@@ -231,6 +232,39 @@ class ArmorConfig(GRPOConfig):
             "rotation picks one per visit of the prompt; an empty list means no anchor (see `anchor_filter`)."
         },
     )
+    # --- collapse guard: the paper's two-stage protocol in one run ---
+    collapse_guard: str | None = field(
+        default=None,
+        metadata={
+            "help": "Watch validation for a collapse and act: None = off; 'stop' = end training (the best checkpoint "
+            "is kept and named in the log); 'armor' = train plain GRPO/DAPO (both ARMOR switches dormant) until the "
+            "collapse, then load the best checkpoint's weights into the policy, make them the reference and switch "
+            "ARMOR on (anchors and mixed ratio as configured; α, τ and the other step counts restart at the switch). "
+            "Rule: with s_i the validation scores (`collapse_guard_metric`), b the first best validation and r_i the "
+            "mean training reward logged since the previous validation, the guard fires at validation n when each of "
+            "the last `collapse_guard_patience` validations (all after b) has s_b − s_i ≥ `collapse_guard_drop` and "
+            "the mean of their r_i is ≥ r_b (training reward has not fallen; not checked where unknown). Fires once "
+            "per run. Needs a ValidationCallback attached (val_every_steps in the CLI); every new best validation "
+            "forces a checkpoint.",
+            "choices": ["stop", "armor"],
+        },
+    )
+    collapse_guard_metric: str | None = field(
+        default=None,
+        metadata={
+            "help": "Logged validation metric the collapse guard watches (higher is better). None = "
+            "`metric_for_best_model` when set, else the first logged metric named val/…avg@n (the ValidationCallback's "
+            "avg@n of its first validation set)."
+        },
+    )
+    collapse_guard_drop: float = field(
+        default=0.05,
+        metadata={"help": "How far (absolute, > 0) below the best score a validation must be to count as collapsed."},
+    )
+    collapse_guard_patience: int = field(
+        default=3,
+        metadata={"help": "How many consecutive collapsed validations (>= 1) make the guard fire."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -356,6 +390,40 @@ class ArmorConfig(GRPOConfig):
                     "use_anchors=True, anchor_gate_only=False)."
                 )
 
+    @property
+    def collapse_guard_watches(self) -> str | None:
+        """The metric the collapse guard watches: `collapse_guard_metric`, else `metric_for_best_model` (without
+        transformers' "eval_" prefix), else None (the first val/…avg@n logged)."""
+        if self.collapse_guard_metric is not None:
+            return self.collapse_guard_metric
+        best = self.metric_for_best_model
+        return best[len("eval_"):] if best and best.startswith("eval_") else best
+
+    def _check_collapse_guard(self) -> None:
+        if self.collapse_guard is None:
+            return
+        if self.collapse_guard not in COLLAPSE_GUARD_ACTIONS:
+            raise ValueError(
+                f"collapse_guard must be None (off) or one of {list(COLLAPSE_GUARD_ACTIONS)}, got {self.collapse_guard!r}."
+            )
+        if not self.collapse_guard_drop > 0:
+            raise ValueError(f"collapse_guard_drop must be > 0 (an absolute drop of the score), got {self.collapse_guard_drop}.")
+        if self.collapse_guard_patience < 1:
+            raise ValueError(f"collapse_guard_patience must be an integer >= 1, got {self.collapse_guard_patience}.")
+        if self.collapse_guard == "armor" and not self.armor_enabled:
+            raise ValueError(
+                "collapse_guard='armor' switches ARMOR on at the collapse, but use_anchors and use_mixed_ratio are both "
+                "False: leave at least one on, or use collapse_guard='stop'."
+            )
+        best = self.metric_for_best_model
+        best = best[len("eval_"):] if best and best.startswith("eval_") else best
+        if self.save_total_limit is not None and (best is None or self.collapse_guard_watches != best):
+            raise ValueError(
+                f"collapse_guard with save_total_limit={self.save_total_limit} needs metric_for_best_model to be the "
+                f"metric it watches ({self.collapse_guard_watches or 'e.g. val/avg@4'}), so that checkpoint rotation "
+                f"keeps the best checkpoint; got metric_for_best_model={self.metric_for_best_model!r}."
+            )
+
     def _check_armor_fields(self) -> None:
         if self.armor_alpha is not None and not 0.0 < self.armor_alpha <= 1.0:
             raise ValueError(f"armor_alpha must lie in (0, 1] (or be None for (G-1)/G), got {self.armor_alpha}.")
@@ -385,6 +453,7 @@ class ArmorConfig(GRPOConfig):
             if any(int(s) < 1 for s in self.ref_reset_at_steps):
                 raise ValueError(f"ref_reset_at_steps must hold positive optimizer steps, got {self.ref_reset_at_steps}.")
             self.ref_reset_at_steps = sorted({int(s) for s in self.ref_reset_at_steps})
+        self._check_collapse_guard()
         self._check_loop_fields()
         self._check_anchor_source()
         if not self.armor_enabled:

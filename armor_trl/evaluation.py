@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import SaveStrategy
 from transformers.utils import logging
 
 from .rewards import completion_text
@@ -218,6 +219,15 @@ def evaluate(
     }
 
 
+def _from_main_process(value):
+    """``value`` as the main process has it, on every process (a no-op in a single process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class ValidationCallback(TrainerCallback):
     """Evaluate on a held-out set every ``every_steps`` optimizer steps (and before training) and log the results.
 
@@ -235,7 +245,7 @@ class ValidationCallback(TrainerCallback):
 
     The evaluation before training (step 0) is kept in ``self.history`` and the JSONL file only. Each record is
     kept in ``self.history`` and appended to ``jsonl_path`` if given. Evaluation runs on the main process only (it
-    is not sharded across processes).
+    is not sharded across processes); its values are broadcast, so every process logs the same entry.
     """
 
     def __init__(
@@ -287,13 +297,15 @@ class ValidationCallback(TrainerCallback):
             f"val/pass@{self.k}": result[f"pass@{self.k}"],
         }
 
-    def _record(self, step: int, metrics: dict, logs: dict | None) -> dict:
+    def _record(self, step: int, metrics: dict, logs: dict | None, write: bool = True) -> dict:
         record = {"step": step, **({"run": self.run_name} if self.run_name else {}), **metrics}
         train_reward = next((logs[key] for key in TRAIN_REWARD_KEYS if logs and logs.get(key) is not None), None)
         if train_reward is not None:
             record["train_reward"] = train_reward
             record["val/reward_gap"] = train_reward - metrics[f"val/avg@{self.num_samples}"]
         self.history.append(record)
+        if not write:
+            return record
         if self.jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
             with open(self.jsonl_path, "a") as f:
@@ -301,6 +313,18 @@ class ValidationCallback(TrainerCallback):
         if self.on_evaluate is not None:
             self.on_evaluate(record)
         return record
+
+    def _feed_best_metric(self, values: dict, control) -> None:
+        """Hand the values to transformers' best-checkpoint machinery like evaluation metrics, so that
+        ``metric_for_best_model`` (e.g. "val/avg@4"), ``save_strategy="best"``, ``load_best_model_at_end`` and the
+        rotation of ``save_total_limit`` (which keeps the best checkpoint) work with validation."""
+        args = self.trainer.args
+        name = args.metric_for_best_model
+        if name is None or name.removeprefix("eval_") not in values:
+            return
+        is_new_best = self.trainer._determine_best_metric({f"eval_{k}": v for k, v in values.items()}, trial=None)
+        if is_new_best and args.save_strategy == SaveStrategy.BEST:
+            control.should_save = True  # transformers saves only after its own evaluation otherwise
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         plugin = getattr(args, "deepspeed_plugin", None)
@@ -326,14 +350,14 @@ class ValidationCallback(TrainerCallback):
             # Log this step on every process (logging gathers the loss across processes): the training log of the
             # step carries the training reward the gap is measured against, and the values follow it at this step.
             control.should_log = True
-            if state.is_world_process_zero:
-                self._pending = self._evaluate(state, model, processing_class)
+            values = self._evaluate(state, model, processing_class) if state.is_world_process_zero else None
+            self._pending = _from_main_process(values)  # every process logs them (and a collapse guard sees them)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._pending is None or logs is None or self._logging:
             return
-        record = self._record(state.global_step, self._pending, logs)
+        record = self._record(state.global_step, self._pending, logs, write=state.is_world_process_zero)
         self._pending = None
         values = {key: value for key, value in record.items() if key.startswith("val/")}
         if self.trainer is not None:
@@ -342,6 +366,7 @@ class ValidationCallback(TrainerCallback):
                 Trainer.log(self.trainer, values)  # its own log_history entry, seen by every callback's on_log
             finally:
                 self._logging = False
+            self._feed_best_metric(values, control)
             return
         logs.update(values)  # seen only by the callbacks after this one (the reporters come before it)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

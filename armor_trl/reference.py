@@ -324,17 +324,25 @@ def copy_model_for_reference(model: nn.Module) -> nn.Module:
 
 
 class ReferenceResetCallback(TrainerCallback):
-    """Resets the reference on ARMOR's schedule, right after each optimizer step."""
+    """Resets the reference on ARMOR's schedule, right after each optimizer step.
+
+    ``start_step()`` gives the optimizer step ARMOR started at (the schedule counts from there), or None while ARMOR
+    is dormant (no resets); by default 0.
+    """
 
     def __init__(self, reference: ReferencePolicy, get_policy, reset_steps: int | None, every_step_until: int | None,
-                 at_steps=None):
+                 at_steps=None, start_step=lambda: 0):
         self.reference = reference
         self.get_policy = get_policy
         self.reset_steps = reset_steps
         self.every_step_until = every_step_until
         self.at_steps = set(at_steps or ())
+        self.start_step = start_step
 
     def on_step_end(self, args, state, control, **kwargs):
-        if reset_due(state.global_step, self.reset_steps, self.every_step_until, self.at_steps):
+        start = self.start_step()
+        if start is None:
+            return control
+        if reset_due(state.global_step - start, self.reset_steps, self.every_step_until, self.at_steps):
             self.reference.reset(self.get_policy(), state.global_step)
         return control

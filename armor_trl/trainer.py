@@ -33,6 +33,7 @@ from . import trl_seam as seam
 from .advantages import DROP_REASONS, dynamic_sampling_keep, group_advantages
 from .anchors import AnchorCache, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
 from .column_anchors import ColumnAnchors, verify_round
+from .collapse_guard import CollapseGuard
 from .config import ArmorConfig
 from .mixed_ratio import k3_kl, mixed_logprobs
 from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference, latest_complete_checkpoint
@@ -48,6 +49,7 @@ LOOP_FIELDS = (
     "armor_alpha_decay_steps", "ref_reset_at_steps", "anchor_selection", "anchor_gate_only", "off_policy_ratio",
     "mask_negative_anchor_advantage", "anchor_reward_funcs", "anchors_per_group", "anchor_loss_weight",
     "anchor_source", "anchor_column", "anchor_cache_per_prompt",
+    "collapse_guard",
 )
 
 
@@ -123,6 +125,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self._warned_short_batch = False
         # anchor slots per group: none when the anchor only gates its group (anchor_gate_only)
         self._anchor_slots = 0 if args.anchor_gate_only else args.anchors_per_group
+        # optimizer step ARMOR started at: 0, or None while it is dormant (collapse_guard="armor" before the switch)
+        self.armor_started_at: int | None = None if args.collapse_guard == "armor" else 0
         # A policy instance is copied before TRL patches its forward (a later deep copy would keep that patch).
         ref_copy = None
         if args.armor_enabled and not uses_peft and ref_model is None and not isinstance(model, str):
@@ -145,6 +149,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
             environment_factory=environment_factory,
         )
         self._refill = self._build_refill_sampler() if args.dynamic_sampling else None
+        self.collapse_guard = CollapseGuard(self) if args.collapse_guard else None
         if not args.armor_enabled:
             return  # both ablation switches off: GRPOTrainer (plus dynamic sampling / QAE where asked for)
         self.reward_funcs = [
@@ -169,7 +174,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self.add_callback(
             ReferenceResetCallback(
                 self.reference, self._unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until,
-                args.ref_reset_at_steps,
+                args.ref_reset_at_steps, start_step=lambda: self.armor_started_at,
             )
         )
 
@@ -188,7 +193,12 @@ class ArmorGRPOTrainer(GRPOTrainer):
     @property
     def armor_alpha(self) -> float:
         """α of the mixture at the current optimizer step (constant unless `armor_alpha_decay_steps` is set)."""
-        return self.args.alpha_at(self.state.global_step)
+        return self.args.alpha_at(self.state.global_step - (self.armor_started_at or 0))
+
+    @property
+    def armor_active(self) -> bool:
+        """Whether ARMOR acts now: a reference exists and ARMOR is not dormant (see `collapse_guard`)."""
+        return self.reference is not None and self.armor_started_at is not None
 
     def _anchor_func_mask(self, names) -> torch.Tensor | None:
         """(F,) bool: the reward functions that decide whether a candidate is correct (None = all)."""
@@ -336,13 +346,13 @@ class ArmorGRPOTrainer(GRPOTrainer):
     def _score_round(self, inputs):
         """One generation round, scored by TRL, with ARMOR's fields added (train mode)."""
         training = self.model.training
-        self._armor_inputs = inputs if training and self.reference is not None and self.args.use_anchors else None
+        self._armor_inputs = inputs if training and self.armor_active and self.args.use_anchors else None
         self._armor_round = None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._armor_inputs = None
-        if training and self.reference is not None:
+        if training and self.armor_active:
             output = self._add_armor_fields(output)
         if training:
             rows = len(inputs)
@@ -620,7 +630,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         Written to TRL's pending extra columns, which TRL gathers across processes together with the rows' prompts
         and completions, so it stays aligned with them. Every round writes it (all False outside anchor rounds).
         """
-        if self.reference is None or not self.args.use_anchors or not self.log_completions:
+        if not self.armor_active or not self.args.use_anchors or not self.log_completions:
             return
         is_anchor = torch.zeros(rows, dtype=torch.bool)
         if self._armor_round is not None:
@@ -754,6 +764,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
             super()._save_checkpoint(model, trial)
             if self._refill is not None and self.args.should_save:
                 self._refill.save(self._checkpoint_dir(trial))
+            if self.collapse_guard is not None and self.args.should_save:
+                self.collapse_guard.save(self._checkpoint_dir(trial))
             return
         # Older checkpoints are rotated away only once this one is complete (ARMOR's state file written last), so a
         # run killed in between still has its previous complete checkpoint.
@@ -772,6 +784,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
         }
         if self._column_anchors is not None:
             extra["column_anchors"] = self._column_anchors.state_dict()
+        extra["armor_started_at"] = self.armor_started_at  # None: ARMOR still dormant (collapse_guard="armor")
+        if self.collapse_guard is not None:
+            extra["collapse_guard"] = self.collapse_guard.state_dict()
         self.reference.save(directory, self._unwrapped_policy(), extra, write=self.args.should_save)
         if self.args.should_save and limit:
             rotate_checkpoints(run_dir, limit, best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
@@ -780,9 +795,14 @@ class ArmorGRPOTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self._refill is not None:
             self._refill.load(checkpoint)
+        if checkpoint is not None and self.reference is None and self.collapse_guard is not None:
+            self.collapse_guard.load(checkpoint)
         if checkpoint is None or self.reference is None:
             return
         state = self.reference.load(checkpoint, self._unwrapped_policy())
+        self.armor_started_at = state.get("armor_started_at", 0)
+        if self.collapse_guard is not None and state.get("collapse_guard") is not None:
+            self.collapse_guard.load_state_dict(state["collapse_guard"])
         if self.anchor_cache is not None and state.get("anchor_cache") is not None:
             self.anchor_cache.load_state_dict(state["anchor_cache"])
         if self._column_anchors is not None and state.get("column_anchors") is not None:

@@ -26,7 +26,9 @@ OVERRIDDEN = {
     "_load_optimizer_and_scheduler": ["checkpoint"],
 }
 # private attributes read or written (the vLLM ones exist only with use_vllm=True)
-ATTRIBUTES = ("_metrics", "_pending_extra_logs", "_pending_metrics", "model_wrapped", "use_vllm", "_tokenizer")
+ATTRIBUTES = (
+    "_metrics", "_pending_extra_logs", "_pending_metrics", "model_wrapped", "use_vllm", "_tokenizer", "_buffered_inputs",
+)
 VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
 
 SUPPORTED_TRL = ">=1.16.0,<1.17"
@@ -53,6 +55,14 @@ def engine_step(trainer: GRPOTrainer) -> int:
 
 def set_engine_step(trainer: GRPOTrainer, step: int) -> None:
     trainer._last_loaded_step = step
+
+
+def discard_rollouts(trainer: GRPOTrainer) -> None:
+    """The policy's weights changed outside an optimizer step: drop the buffered generation batch (TRL generates a new
+    one at the next step) and make TRL push the weights to vLLM before its next rollout."""
+    trainer._buffered_inputs = None
+    if trainer.use_vllm:
+        set_engine_step(trainer, -1)
 
 
 def pad_token_id(trainer: GRPOTrainer) -> int:

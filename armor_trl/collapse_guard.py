@@ -1,0 +1,175 @@
+"""The collapse guard: watch validation, detect the collapse, then stop or switch ARMOR on (the two-stage protocol).
+
+The paper's protocol (ARMOR.md) is: train DAPO, watch validation, take the best checkpoint before the collapse and
+continue from it with ARMOR, that checkpoint also being the initial reference. With ``collapse_guard="armor"`` one run
+does it: ARMOR is dormant (plain GRPO/DAPO) until :func:`collapse_detected` says so, then :meth:`CollapseGuard._fire`
+loads the best checkpoint's weights and optimizer state into the policy, resets π_ref to them and starts ARMOR.
+
+The rule (:func:`collapse_detected`), over the validations so far: s_i the watched score, r_i the mean training reward
+logged since the previous validation, b the first validation with the highest score. The guard fires at validation n
+when each of the last ``patience`` validations (all after b) has s_b − s_i ≥ ``drop`` and the mean of their r_i is
+≥ r_b (training reward has not fallen: the gap is over-optimization, not a broken run). Unknown rewards are not checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
+
+from . import trl_seam as seam
+from .evaluation import TRAIN_REWARD_KEYS
+
+logger = logging.get_logger(__name__)
+
+GUARD_FILE = "collapse_guard.json"  # the guard's state in a checkpoint of a run without a reference
+TOLERANCE = 1e-9  # rounding slack in the rule's comparisons
+
+
+def best_index(scores: Sequence[float]) -> int:
+    """Index of the first highest score."""
+    return max(range(len(scores)), key=lambda i: (scores[i], -i))
+
+
+def collapse_detected(scores: Sequence[float], rewards: Sequence[float | None], drop: float, patience: int) -> bool:
+    """Whether the guard fires after the last of these validations (scores and training rewards, in order)."""
+    n = len(scores)
+    if n <= patience:
+        return False
+    best = best_index(scores)
+    window = range(n - patience, n)
+    if best >= window.start or any(scores[best] - scores[i] < drop - TOLERANCE for i in window):
+        return False
+    known = [rewards[i] for i in window if rewards[i] is not None]
+    if rewards[best] is None or not known:
+        return True
+    return sum(known) / len(known) >= rewards[best] - TOLERANCE
+
+
+class CollapseGuard(TrainerCallback):
+    """Applies :func:`collapse_detected` to the validations the trainer logs and acts once, per ``collapse_guard``.
+
+    Added by ``ArmorGRPOTrainer`` when ``args.collapse_guard`` is set. It reads the watched metric from every log entry
+    (a ValidationCallback attached to the trainer logs it), forces a checkpoint at each new best validation, and
+    records its history in the checkpoints, so a resumed run continues the same decision.
+    """
+
+    def __init__(self, trainer: Trainer):
+        args = trainer.args
+        self.trainer = trainer
+        self.action, self.drop, self.patience = args.collapse_guard, args.collapse_guard_drop, args.collapse_guard_patience
+        self.metric = args.collapse_guard_watches  # None: the first val/…avg@n logged
+        self.steps: list[int] = []
+        self.scores: list[float] = []
+        self.rewards: list[float | None] = []
+        self.rewards_since: list[float] = []  # training rewards logged since the last validation
+        self.fired: dict | None = None  # the event, once it happened
+        trainer.add_callback(self)
+
+    # --- state ---------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        keys = ("metric", "steps", "scores", "rewards", "rewards_since", "fired")
+        return {key: getattr(self, key) for key in keys}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+    def save(self, directory: str) -> None:
+        with open(os.path.join(directory, GUARD_FILE), "w") as f:
+            json.dump(self.state_dict(), f)
+
+    def load(self, directory: str) -> None:
+        path = os.path.join(directory, GUARD_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                self.load_state_dict(json.load(f))
+
+    def checkpoint_of(self, step: int) -> str:
+        return os.path.join(self.trainer._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+    @property
+    def best_checkpoint(self) -> str | None:
+        return self.checkpoint_of(self.steps[best_index(self.scores)]) if self.scores else None
+
+    # --- events --------------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if self.action == "armor" and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+            raise ValueError(
+                "collapse_guard='armor' cannot load the best checkpoint into a DeepSpeed or FSDP engine mid-run yet. "
+                "Run stage 1 with collapse_guard='stop', then start ARMOR from its best checkpoint "
+                "(armor-trl train ... --resume_best_as_reference <run dir>)."
+            )
+        if not any(type(c).__name__ == "ValidationCallback" for c in trainer.callback_handler.callbacks):
+            logger.warning(
+                f"collapse_guard={self.action!r} watches {self.metric or 'val/…avg@n'}, but no ValidationCallback is "
+                "attached to this trainer (val_every_steps in the CLI): unless something else logs that metric, the "
+                "guard never fires."
+            )
+
+    def _watched(self, logs: dict) -> str | None:
+        if self.metric is None:
+            self.metric = next((k for k in logs if k.startswith("val/") and "avg@" in k), None)
+        return self.metric if self.metric in logs else None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.fired is not None or not logs:
+            return
+        reward = next((logs[key] for key in TRAIN_REWARD_KEYS if logs.get(key) is not None), None)
+        if reward is not None:
+            self.rewards_since.append(float(reward))
+        metric = self._watched(logs)
+        if metric is None or not math.isfinite(logs[metric]):
+            return
+        self.steps.append(state.global_step)
+        self.scores.append(float(logs[metric]))
+        self.rewards.append(sum(self.rewards_since) / len(self.rewards_since) if self.rewards_since else None)
+        self.rewards_since = []
+        if best_index(self.scores) == len(self.scores) - 1:
+            control.should_save = True  # the checkpoint of a new best is written right after this log
+        elif collapse_detected(self.scores, self.rewards, self.drop, self.patience):
+            self._fire(state, control)
+
+    def _fire(self, state, control) -> None:
+        best = best_index(self.scores)
+        checkpoint = self.best_checkpoint
+        window = slice(len(self.scores) - self.patience, None)
+        self.fired = {"step": state.global_step, "action": self.action, "best_step": self.steps[best],
+                      "best_score": self.scores[best], "best_checkpoint": checkpoint}
+        what = (f"collapse guard: {self.metric} fell from {self.scores[best]:.4f} (step {self.steps[best]}) by at "
+                f"least {self.drop} for {self.patience} validations (steps {self.steps[window]}: "
+                f"{[round(s, 4) for s in self.scores[window]]}) while training reward did not fall")
+        if self.action == "stop":
+            control.should_training_stop = True
+            logger.warning(f"{what}: training stops at step {state.global_step}; best checkpoint: {checkpoint}")
+            Trainer.log(self.trainer, {"collapse_guard/fired": 1.0})
+            return
+        if not os.path.isdir(checkpoint):
+            raise ValueError(
+                f"{what}, but the best checkpoint {checkpoint} is missing, so ARMOR cannot start from it. Keep "
+                "checkpoints (save_total_limit with metric_for_best_model = the watched metric keeps the best one)."
+            )
+        switch_to_armor(self.trainer, checkpoint, state.global_step)
+        logger.warning(f"{what}: ARMOR starts at step {state.global_step} from {checkpoint} (policy and π_ref = its "
+                       "weights, optimizer state from it)")
+        Trainer.log(self.trainer, {"collapse_guard/fired": 1.0, "armor/stage": 1.0})
+
+
+def switch_to_armor(trainer, checkpoint: str, step: int) -> None:
+    """Stage 2 of the protocol: the policy gets ``checkpoint``'s weights and optimizer state, π_ref becomes an exact
+    copy of them, and ARMOR acts from optimizer step ``step`` on (α decay and reset schedules count from there)."""
+    trainer._load_from_checkpoint(checkpoint)
+    optimizer_file = os.path.join(checkpoint, "optimizer.pt")
+    if os.path.isfile(optimizer_file):
+        state = torch.load(optimizer_file, map_location=trainer.args.device, weights_only=True)
+        trainer.optimizer.load_state_dict(state)
+    trainer.reference.reset(trainer._unwrapped_policy(), step)
+    trainer.armor_started_at = step
+    seam.discard_rollouts(trainer)  # the buffered rollouts came from the collapsed policy
