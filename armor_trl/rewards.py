@@ -81,7 +81,9 @@ _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 _UNESCAPED_PERCENT = re.compile(r"(?<!\\)%")
 _GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*([^\n]+)", re.MULTILINE)
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)  # DAPO's checker: anywhere, last match
-_NUMBER_WITH_WORDS = re.compile(r"([+-]?\d[\d,]*(?:\.\d+)?)(?:\s+[A-Za-z][A-Za-z .]*)?")
+_NUMBER_WITH_WORDS = re.compile(r"([+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)(?:\s+[A-Za-z][A-Za-z .]*)?")
+_LATEX_MARK = re.compile(r"[\\^_{}$]")
+_PROSE = re.compile(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}")
 
 
 def as_latex(answer: str) -> str:
@@ -109,13 +111,20 @@ def _last_boxed(text: str) -> tuple[int, str] | None:
     return None
 
 
+def _line_answer(content: str) -> str:
+    """What math-verify should parse of the text after ``####`` or ``Answer:``."""
+    content = content.strip().strip("*").strip().rstrip(".").strip()
+    number = _NUMBER_WITH_WORDS.fullmatch(content)
+    if number:  # "1,234" or "541 dollars": the number
+        return number.group(1)
+    if not _LATEX_MARK.search(content) and _PROSE.search(content):  # "The final answer is 5": math-verify finds it
+        return content
+    return as_latex(content)  # "3\sqrt{13}", "(15,-29)", "2k+2"; kept as is when it holds $ or \boxed
+
+
 def _last_line(pattern: re.Pattern, text: str) -> tuple[int, str] | None:
     matches = list(pattern.finditer(text))
-    if not matches:
-        return None
-    content = matches[-1].group(1).strip().strip("*").strip().rstrip(".").strip()
-    number = _NUMBER_WITH_WORDS.fullmatch(content)  # "1,234" or "541 dollars": the number (math-verify reads it)
-    return matches[-1].start(), number.group(1) if number else as_latex(content)
+    return (matches[-1].start(), _line_answer(matches[-1].group(1))) if matches else None
 
 
 _MARKERS = {"boxed": ("boxed",), "gsm8k": ("gsm8k",), "dapo": ("dapo",), "auto": ("gsm8k", "dapo", "boxed")}
@@ -203,7 +212,7 @@ class _Worker:
 
     def send(self, items: list) -> None:
         self.process.stdin.write((json.dumps(items) + "\n").encode())
-        self.process.stdin.flush()
+        self.process.stdin.flush()  # BrokenPipeError if the worker has died
 
     def read(self) -> list | None:
         """Messages that arrived (the caller knows there is data); None when the worker has died."""
@@ -253,8 +262,13 @@ class VerifierPool:
         worker = self.workers[index] if index < len(self.workers) else self._start(index)
         if worker.process.poll() is not None:
             worker = self._start(index)
+        try:
+            worker.send(items)
+        except BrokenPipeError:  # died since the poll: a new worker takes the items
+            worker.kill()
+            worker = self._start(index)
+            worker.send(items)
         worker.pending.extend(item[0] for item in items)
-        worker.send(items)
         if worker.ready:
             worker.deadline = time.monotonic() + self.timeout
 

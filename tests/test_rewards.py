@@ -210,6 +210,22 @@ def test_boxed_format_takes_the_last_box():
     assert final_answer("no marker 7", "dapo") is None
 
 
+@pytest.mark.parametrize("line, gold, expected", [
+    ("Answer: 1,234 apples", "1234", 1.0),
+    ("Answer: 3\\sqrt{13}", "3\\sqrt{13}", 1.0),
+    ("Answer: 3\\sqrt{13}", "3", 0.0),  # read whole, not as its first number
+    ("Answer: (15,-29)", "(15,-29)", 1.0),
+    ("Answer: 2k+2", "2", 0.0),
+    ("Answer: -2,1", "-2,1", 1.0),  # a list, not a number with a thousands separator
+    ("Answer: -2,1", "-21", 0.0),
+    ("Final Answer: The final answer is 5. I hope it is correct.", "5", 1.0),
+    ("Answer: $\\frac{1}{2}$.", "0.5", 1.0),
+    ("#### 1,234", "1234", 1.0),
+])
+def test_final_answer_lines_are_read_whole(line, gold, expected):
+    assert math_verify_reward([f"Some work with 99 and 7.\n{line}"], answer=[gold]) == [expected]
+
+
 def test_unknown_answer_format_names_the_column():
     with pytest.raises(ValueError, match="answer_format column.*'latex'"):
         math_verify_reward(["1"], answer=["1"], answer_format=["latex"])
