@@ -197,12 +197,15 @@ def _serve() -> None:
 
 
 # --- the worker pool -------------------------------------------------------------------------------------------
+_WORKER_CODE = "from armor_trl.rewards import _serve; _serve()"
+
+
 class _Worker:
     def __init__(self, startup_timeout: float):
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         self.process = subprocess.Popen(
-            [sys.executable, "-c", "from armor_trl.rewards import _serve; _serve()"],
+            [sys.executable, "-c", _WORKER_CODE],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
         self.buffer = b""
@@ -310,6 +313,10 @@ class VerifierPool:
     def _replace(self, index: int, results: list, died: bool) -> None:
         """Kill a stuck (or dead) worker: its current item cannot be judged; the rest goes to a new worker."""
         worker = self.workers[index]
+        if not worker.ready:  # it never started: replacing it would not help
+            worker.kill()
+            raise RuntimeError(f"math_verify: the verifier worker process {'exited' if died else 'did not start'} "
+                               f"({sys.executable} -c {_WORKER_CODE!r}); its error output is above.")
         stuck = worker.pending.popleft()
         results[stuck] = None
         self.timeouts += 1

@@ -263,6 +263,18 @@ def test_pathological_input_in_a_worker_thread_times_out(short_verifier_timeout,
     assert math_verify_reward([r"\boxed{4}"], answer=["4"]) == [1.0]  # the replaced worker serves later calls
 
 
+def test_a_worker_that_cannot_start_is_an_error(monkeypatch):
+    configure_verifier(workers=1)  # a fresh pool, started with the broken command below
+    monkeypatch.setattr(rewards, "_WORKER_CODE", "import sys; sys.exit('no math-verify here')")
+    try:
+        with pytest.raises(RuntimeError, match="verifier worker process exited"):
+            math_verify_reward([r"\boxed{1}"], answer=["1"])
+    finally:
+        monkeypatch.undo()
+        configure_verifier(workers=int(os.environ.get("ARMOR_VERIFIER_WORKERS", min(4, os.cpu_count() or 1))))
+    assert math_verify_reward([r"\boxed{1}"], answer=["1"]) == [1.0]
+
+
 def test_configure_verifier_rejects_bad_values():
     with pytest.raises(ValueError, match="timeout"):
         configure_verifier(timeout=0)
