@@ -52,7 +52,7 @@ def checked(func, name: str):
         if not warned_nan and any(v is not None and math.isnan(v) for v in values):
             warned_nan = True
             logger.warning(
-                f"Reward function {name!r} returned NaN: it is treated like None (no reward; never a verified anchor)."
+                f"Reward function {name!r} returned NaN: it is treated like None (the function does not apply to that completion: no reward from it, and it does not count when verifying anchors)."
             )
         return values
 

@@ -80,12 +80,19 @@ def test_nan_reward_is_treated_like_none(tiny_model_path, tiny_tokenizer, prompt
 
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=[has_digit_reward, nan_reward],
-        anchor_reward_threshold=0.0, max_steps=1,
+        anchor_reward_threshold=1.0, max_steps=1,
     )
     with caplog.at_level(logging.WARNING):
         trainer.train()
-    assert logged(trainer, "armor/anchor_found_frac") == [0.0]  # NaN never verifies
+    # like None, NaN does not apply: candidates are judged by has_digit_reward alone
+    assert 0.0 < logged(trainer, "armor/anchor_found_frac")[0]
     assert "nan_reward" in caplog.text and "treated like None" in caplog.text
+    only_nan = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "only", reward_funcs=[nan_reward],
+        anchor_reward_threshold=0.0, max_steps=1,
+    )
+    only_nan.train()
+    assert logged(only_nan, "armor/anchor_found_frac") == [0.0]  # nothing applies: never an anchor
 
 
 def test_no_anchor_in_a_whole_run_trains_on_and_says_so(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog):
