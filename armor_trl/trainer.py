@@ -39,6 +39,7 @@ from .mixed_ratio import k3_kl, mixed_logprobs
 from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference, latest_complete_checkpoint
 from .refill import RefillSampler, concat_rows, take_rows
 from .reward_checks import checked
+from .rewards import math_verify_reward, verifier_timeouts
 from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
 
 logger = logging.get_logger(__name__)
@@ -149,6 +150,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
             environment_factory=environment_factory,
         )
         self._refill = self._build_refill_sampler() if args.dynamic_sampling else None
+        self._uses_verifier = any(getattr(f, "__wrapped__", f) is math_verify_reward for f in self.reward_funcs)
+        self._verifier_timeouts_seen = verifier_timeouts()
         self.collapse_guard = CollapseGuard(self) if args.collapse_guard else None
         if not args.armor_enabled:
             return  # both ablation switches off: GRPOTrainer (plus dynamic sampling / QAE where asked for)
@@ -600,6 +603,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._round_rewards = rewards
+        if self._uses_verifier:  # completions math-verify could not judge in time (scored None), all processes
+            seen, self._verifier_timeouts_seen = self._verifier_timeouts_seen, verifier_timeouts()
+            new = torch.tensor(float(self._verifier_timeouts_seen - seen), device=rewards.device)
+            seam.log_metric(self, "rewards/verifier_timeouts", self.accelerator.reduce(new, reduction="sum").item())
         if self._armor_round is not None and self._armor_round.get("column"):
             self._verify_column_anchors(rewards, len(prompts))
         self._log_anchor_column(len(prompts))

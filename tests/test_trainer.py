@@ -381,3 +381,17 @@ def test_off_policy_mask_compares_mixture_with_mixture(tiny_model_path, tiny_tok
         trainer.off_policy_mask_threshold = 1e-6
         masked = trainer._compute_loss(trainer.model, batch).item()
     assert masked == pytest.approx(unmasked, rel=1e-5)
+
+
+def test_verifier_timeouts_are_logged(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch):
+    import armor_trl.trainer as trainer_module
+    from armor_trl.rewards import math_verify_reward
+
+    counter = iter(range(0, 1000, 3))  # every call: 3 more completions timed out
+    monkeypatch.setattr(trainer_module, "verifier_timeouts", lambda: next(counter))
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=math_verify_reward, max_steps=2,
+        use_anchors=False,
+    )
+    trainer.train()
+    assert logged(trainer, "rewards/verifier_timeouts") == [3.0, 3.0]
