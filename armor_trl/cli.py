@@ -61,12 +61,26 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
                   "'pkg.mod:func'. Weights: the config's reward_weights."},
     )
     eval_dataset_name: str | None = field(
-        default=None, metadata={"help": "Held-out set for validation. Default: dataset_name's dataset_test_split."}
+        default=None, metadata={"help": "Held-out set for validation (logged as val/avg@n). Default: dataset_name's "
+                                "dataset_test_split, unless val_datasets is given."}
+    )
+    val_datasets: list[str] | None = field(
+        default=None,
+        metadata={"help": "More validation sets, each 'source' or 'name=source' (registry name, hub id or local file, "
+                  "its default split), logged as val/<name>/avg@n; prompts are written like the training data's "
+                  "(chat, system_prompt, instruction). E.g. aime24 aime25."},
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N training rows."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N held-out rows."})
     ref_model_name_or_path: str | None = field(
         default=None, metadata={"help": "method armor: initial reference policy. Default: the initial policy."}
+    )
+    resume_best_as_reference: str | None = field(
+        default=None,
+        metadata={"help": "Stage 2 of the paper's protocol: start ARMOR from the best checkpoint of this earlier run "
+                  "directory, as policy and reference. Best = trainer_state.json's best_model_checkpoint, else the "
+                  "checkpoint whose step has the highest recorded validation score in val_metrics.jsonl "
+                  "(collapse_guard_metric / metric_for_best_model, else the first val/…avg@n)."},
     )
     val_every_steps: int = field(default=0, metadata={"help": "Validate every N optimizer steps (0 = never)."})
     val_k: int = field(default=4, metadata={"help": "k of pass@k in validation."})
@@ -222,7 +236,7 @@ def load_datasets(args: DataArguments, train_source: str | None, eval_source: st
 
 
 def _held_out_source(script_args: TrainScriptArguments) -> str | None:
-    if script_args.eval_dataset_name is None and script_args.val_every_steps > 0:
+    if script_args.eval_dataset_name is None and script_args.val_every_steps > 0 and not script_args.val_datasets:
         return script_args.dataset_name
     return script_args.eval_dataset_name
 
@@ -231,6 +245,30 @@ def train_datasets(script_args: TrainScriptArguments):
     return load_datasets(script_args, script_args.dataset_name, _held_out_source(script_args),
                          script_args.dataset_train_split, script_args.dataset_test_split, script_args.dataset_config,
                          script_args.max_train_samples, script_args.max_eval_samples)
+
+
+def named_validation_sets(script_args: TrainScriptArguments) -> dict[str, str]:
+    """{name: source} of ``val_datasets``; a ValueError for an empty or repeated name or one holding '/'."""
+    sets = {}
+    for entry in script_args.val_datasets or []:
+        name, _, source = entry.partition("=") if "=" in entry else (entry, "", entry)
+        if not name or not source or "/" in name or name in sets:
+            raise ValueError(f"val_datasets entry {entry!r}: give 'source' or 'name=source' with a unique name "
+                             "without '/' (a hub id like org/set needs a name: 'set=org/set').")
+        sets[name] = source
+    return sets
+
+
+def validation_sets(script_args: TrainScriptArguments, held_out):
+    """What ValidationCallback validates on: the held-out set alone, or a dict with the named ``val_datasets``
+    (loaded with the training data's prompt template) and the held-out set, if any, under ``None`` (val/avg@n)."""
+    named = named_validation_sets(script_args)
+    if not named:
+        return held_out
+    sets = {} if held_out is None else {None: held_out}
+    for name, source in named.items():
+        sets[name] = load_datasets(script_args, None, source, "train", None, max_eval=script_args.max_eval_samples)[1]
+    return sets
 
 
 def _dry_run_datasets(script_args: TrainScriptArguments):
@@ -330,6 +368,8 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
         lines.append(f"train dataset: {script_args.dataset_name}, {len(train)} rows; first prompt {train[0]['prompt']!r}")
     if held_out is not None:
         lines.append(f"held-out dataset: {len(held_out)} rows, validated every {script_args.val_every_steps} steps")
+    for name, source in named_validation_sets(script_args).items():
+        lines.append(f"validation set {name}: {source}, logged as val/{name}/avg@n")
     lines += dataset_notes
     world = training_args.world_size
     local = training_args.per_device_train_batch_size * training_args.steps_per_generation
@@ -391,7 +431,8 @@ def build_trainer(script_args, training_args, model_args, callbacks=(), run_name
     if script_args.val_every_steps > 0:
         verifier = rewards[0] if len(rewards) == 1 else _first_verifier(rewards)
         # attached (not appended), so it logs through the trainer and every report_to integration gets val/*
-        validation_callback(script_args, training_args, held_out, verifier, run_name, on_evaluate).attach(trainer)
+        sets = validation_sets(script_args, held_out)
+        validation_callback(script_args, training_args, sets, verifier, run_name, on_evaluate).attach(trainer)
     return trainer
 
 
@@ -403,11 +444,62 @@ def _first_verifier(rewards):
 
 
 # --- commands --------------------------------------------------------------------------------------------------
+def best_checkpoint(run_dir: str, metric: str | None = None) -> tuple[str, str]:
+    """The best checkpoint of an earlier run and why: trainer_state.json's ``best_model_checkpoint`` (newest checkpoint
+    first), else the checkpoint whose step scored highest on ``metric`` in val_metrics.jsonl (None: the first
+    val/…avg@n key). A ValueError when neither names an existing checkpoint."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    if not os.path.isdir(run_dir):
+        raise ValueError(f"resume_best_as_reference: {run_dir!r} is not a directory.")
+    steps = {}
+    for name in os.listdir(run_dir):
+        prefix, _, step = name.rpartition("-")
+        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit():
+            steps[int(step)] = os.path.join(run_dir, name)
+    for step in sorted(steps, reverse=True):
+        state_file = os.path.join(steps[step], "trainer_state.json")
+        best = json.load(open(state_file)).get("best_model_checkpoint") if os.path.isfile(state_file) else None
+        if best:
+            best = os.path.join(run_dir, os.path.basename(best))  # the run may have moved
+            if os.path.isdir(best):
+                return best, f"best_model_checkpoint in {state_file}"
+    records = os.path.join(run_dir, "val_metrics.jsonl")
+    scored = {}
+    if os.path.isfile(records):
+        with open(records) as f:
+            for line in f:
+                record = json.loads(line)
+                key = metric or next((k for k in record if k.startswith("val/") and "avg@" in k), None)
+                if record.get("step") in steps and key in record:
+                    scored[record["step"]] = (record[key], key)
+    if not scored:
+        raise ValueError(f"resume_best_as_reference: {run_dir} has no trainer_state.json best_model_checkpoint and no "
+                         f"val_metrics.jsonl score{f' for {metric}' if metric else ''} at a step with a checkpoint.")
+    step = max(scored, key=lambda s: (scored[s][0], -s))
+    return steps[step], f"highest {scored[step][1]} = {scored[step][0]:.4f} in {records} (step {step})"
+
+
+def _start_from_best(script_args, training_args, model_args) -> str:
+    """Point model and reference at the best checkpoint of ``resume_best_as_reference``; return a note saying which."""
+    if script_args.method != "armor":
+        raise ValueError("resume_best_as_reference starts ARMOR from a checkpoint: it needs method 'armor'.")
+    metric = training_args.collapse_guard_watches
+    path, why = best_checkpoint(script_args.resume_best_as_reference, metric)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"resume_best_as_reference: {path} holds no full model (config.json), e.g. a LoRA adapter; "
+                         "merge it into its base model and pass that as model_name_or_path and ref_model_name_or_path.")
+    model_args.model_name_or_path = script_args.ref_model_name_or_path = path
+    return f"ARMOR starts from {path} (policy and reference): {why}"
+
+
 def train_main(argv: list[str]) -> int:
     try:
         script_args, training_args, model_args, notes = parse_train_args(argv)
         for note in notes:
             print(f"armor-trl train: warning: {note}", file=sys.stderr)
+        if script_args.resume_best_as_reference:
+            print(f"armor-trl train: {_start_from_best(script_args, training_args, model_args)}", file=sys.stderr)
         summary = check_recipe(script_args, training_args, model_args)
     except (ValueError, OSError) as error:
         print(f"armor-trl train: error: {error}", file=sys.stderr)

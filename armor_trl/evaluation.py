@@ -239,6 +239,12 @@ class ValidationCallback(TrainerCallback):
     ``trainer.state.log_history`` once. ``transformers.Trainer.log`` is called, not TRL's ``GRPOTrainer.log``,
     which would average and clear the training metrics buffered for the step's own log.
 
+    ``eval_dataset`` may be a dict of named sets (e.g. ``{"aime24": ..., "aime25": ...}``): each is logged under its
+    own name, ``val/<name>/avg@n``, ``val/<name>/pass@k``, ``val/<name>/reward_gap`` (the key ``None`` keeps
+    ``val/avg@n``). With ``metric_for_best_model`` naming one of the values (e.g. ``"val/aime24/avg@32"``), they drive
+    transformers' best checkpoint like evaluation metrics: ``save_strategy="best"``, ``load_best_model_at_end`` and the
+    rotation of ``save_total_limit`` (needs the callback attached).
+
     Passed in ``callbacks=[...]`` without a trainer it still works, but it runs after the reporting integrations
     (transformers puts them first): the values are then merged into the step's log entry in ``log_history`` and
     reach no reporter (warned once at the start of training when ``report_to`` names one).
@@ -268,6 +274,10 @@ class ValidationCallback(TrainerCallback):
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, got {every_steps}")
         self.eval_dataset, self.verifier, self.every_steps = eval_dataset, verifier, every_steps
+        self.eval_sets = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
+        for name in self.eval_sets:
+            if name is not None and (not isinstance(name, str) or not name or "/" in name):
+                raise ValueError(f"eval_dataset names must be non-empty strings without '/', got {name!r}.")
         self.k, self.num_samples = k, check_k(k, num_samples)
         self.generation = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size)
         self.seed, self.jsonl_path, self.run_name, self.on_evaluate = seed, jsonl_path, run_name, on_evaluate
@@ -288,21 +298,25 @@ class ValidationCallback(TrainerCallback):
         return self
 
     def _evaluate(self, state, model, tokenizer) -> dict:
-        result = evaluate(
-            model, tokenizer, self.eval_dataset, self.verifier, self.k, self.num_samples,
-            seed=self.seed + state.global_step, **self.generation,
-        )
-        return {
-            f"val/avg@{self.num_samples}": result[f"avg@{self.num_samples}"],
-            f"val/pass@{self.k}": result[f"pass@{self.k}"],
-        }
+        values = {}
+        for name, dataset in self.eval_sets.items():
+            result = evaluate(
+                model, tokenizer, dataset, self.verifier, self.k, self.num_samples,
+                seed=self.seed + state.global_step, **self.generation,
+            )
+            prefix = "val/" if name is None else f"val/{name}/"
+            values[f"{prefix}avg@{self.num_samples}"] = result[f"avg@{self.num_samples}"]
+            values[f"{prefix}pass@{self.k}"] = result[f"pass@{self.k}"]
+        return values
 
     def _record(self, step: int, metrics: dict, logs: dict | None, write: bool = True) -> dict:
         record = {"step": step, **({"run": self.run_name} if self.run_name else {}), **metrics}
         train_reward = next((logs[key] for key in TRAIN_REWARD_KEYS if logs and logs.get(key) is not None), None)
         if train_reward is not None:
             record["train_reward"] = train_reward
-            record["val/reward_gap"] = train_reward - metrics[f"val/avg@{self.num_samples}"]
+            avg = f"avg@{self.num_samples}"
+            for key in [key for key in metrics if key.endswith(avg)]:
+                record[key.removesuffix(avg) + "reward_gap"] = train_reward - metrics[key]
         self.history.append(record)
         if not write:
             return record

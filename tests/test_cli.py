@@ -235,3 +235,42 @@ def test_train_under_accelerate_launch_two_processes(recipe, tmp_path, method):
     records = [json.loads(line) for line in (tmp_path / "out" / "val_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]  # written once (by the main process), for every step
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_collapse_guard_and_named_validation_sets_from_the_command_line(recipe, cwd):
+    data = str(cwd / "train.jsonl")
+    assert main(["train", "--config", str(recipe), "--collapse_guard", "armor", "--max_steps", "1",
+                 "--val_datasets", f"first={data}", f"again={data}"]) == 0
+    records = [json.loads(line) for line in (cwd / "out" / "val_metrics.jsonl").read_text().splitlines()]
+    assert {"val/avg@2", "val/first/avg@2", "val/again/avg@2"} <= set(records[-1])
+    # the guard is on: ARMOR dormant, and the first validation (a new best) forced a checkpoint despite save "no"
+    state = json.loads((cwd / "out" / "checkpoint-1" / "armor_state.json").read_text())
+    assert state["armor_started_at"] is None and state["collapse_guard"]["steps"] == [1]
+    assert main(["train", "--config", str(recipe), "--dry_run", "--val_datasets", "a/b=x"]) == 2
+
+
+def test_resume_best_as_reference_starts_armor_from_the_best_checkpoint(recipe, cwd, capsys):
+    from safetensors.torch import load_file
+
+    from armor_trl.cli import best_checkpoint
+
+    first = cwd / "first"
+    assert main(["train", "--config", str(recipe), "--output_dir", str(first), "--save_strategy", "steps",
+                 "--save_steps", "1", "--method", "grpo"]) == 0
+    # script the recorded validation: step 1 is the best
+    (first / "val_metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "val/avg@2": score}) + "\n" for step, score in [(0, 0.9), (1, 0.6), (2, 0.3)]))
+    assert best_checkpoint(str(first)) == (str(first / "checkpoint-1"),
+                                           f"highest val/avg@2 = 0.6000 in {first / 'val_metrics.jsonl'} (step 1)")
+    second = cwd / "second"
+    assert main(["train", "--config", str(recipe), "--output_dir", str(second), "--resume_best_as_reference",
+                 str(first), "--save_strategy", "steps", "--save_steps", "1", "--max_steps", "1",
+                 "--ref_reset_steps", "100"]) == 0
+    assert f"ARMOR starts from {first / 'checkpoint-1'}" in capsys.readouterr().err
+    best = load_file(str(first / "checkpoint-1" / "model.safetensors"))
+    import torch
+
+    reference = torch.load(second / "checkpoint-1" / "armor_reference.pt")
+    assert all(torch.equal(reference[name], best[name]) for name in best)  # π_ref = the best checkpoint's weights
+    with pytest.raises(ValueError, match="no trainer_state.json best_model_checkpoint"):
+        best_checkpoint(str(second), metric="val/missing")

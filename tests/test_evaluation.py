@@ -199,3 +199,41 @@ def test_validation_callback_refuses_zero3_instead_of_hanging():
     state = SimpleNamespace(is_world_process_zero=True, global_step=0)
     with pytest.raises(ValueError, match="ZeRO-3"):
         callback.on_train_begin(args, state, None)
+
+
+def test_several_validation_sets_are_logged_under_their_names(tiny_model_path, prompt_dataset, tmp_path):
+    sets = {"low": prompt_dataset.select(range(4)), "high": prompt_dataset.select(range(28, 32))}
+    callback = ValidationCallback(sets, has_digit_reward, every_steps=1, k=2, num_samples=2, max_new_tokens=4)
+    trainer = GRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, train_dataset=prompt_dataset,
+                          args=GRPOConfig(output_dir=str(tmp_path), **cpu_args(max_steps=1)))
+    callback.attach(trainer)
+    trainer.train()
+    entry = next(e for e in trainer.state.log_history if any(k.startswith("val/") for k in e))
+    keys = {k for k in entry if k.startswith("val/")}
+    assert keys == {f"val/{name}/{what}" for name in sets for what in ("avg@2", "pass@2", "reward_gap")}
+    reward = next(e["reward"] for e in trainer.state.log_history if "reward" in e)
+    for name in sets:
+        assert entry[f"val/{name}/reward_gap"] == pytest.approx(reward - entry[f"val/{name}/avg@2"])
+    with pytest.raises(ValueError, match="names must be non-empty strings without '/'"):
+        ValidationCallback({"a/b": sets["low"]}, has_digit_reward, every_steps=1)
+
+
+def test_load_best_model_at_end_picks_the_best_validation(tiny_model_path, prompt_dataset, tmp_path):
+    """save_strategy='best' + metric_for_best_model='val/avg@2': validation decides which checkpoint is best."""
+    from safetensors.torch import load_file
+
+    script = {0: 0.0, 1: 0.2, 2: 0.6, 3: 0.4, 4: 0.5}
+    args = GRPOConfig(output_dir=str(tmp_path), **cpu_args(max_steps=4, save_strategy="best",
+                      metric_for_best_model="val/avg@2", load_best_model_at_end=True))
+    trainer = GRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, train_dataset=prompt_dataset, args=args)
+    callback = ValidationCallback(None, None, every_steps=1, k=2, num_samples=2).attach(trainer)
+    callback._evaluate = lambda state, model, tokenizer: {"val/avg@2": script[state.global_step], "val/pass@2": 0.0}
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    assert trainer.state.best_metric == 0.6
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]  # new bests only
+    best = load_file(str(tmp_path / "checkpoint-2" / "model.safetensors"))
+    params = dict(trainer.model.named_parameters())
+    assert all(torch.equal(best[name], params[name].detach()) for name in best)  # loaded back at the end
+    last = load_file(str(tmp_path / "checkpoint-1" / "model.safetensors"))
+    assert any(not torch.equal(last[name], best[name]) for name in best)
