@@ -1,4 +1,4 @@
-"""The ``armor-trl`` command: ``train``, ``eval`` and ``demo``.
+"""The ``armor-trl`` command: ``train``, ``eval``, ``demo`` and ``anchors`` (see :mod:`armor_trl.pregenerate`).
 
 ``armor-trl train --config recipe.yaml [--field value ...]`` follows ``trl grpo``: TRL's own ``TrlParser``
 reads a YAML recipe into dataclasses (:class:`TrainScriptArguments`, ``trl.ModelConfig`` and
@@ -91,6 +91,11 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
     val_batch_size: int = field(default=64, metadata={"help": "Sequences per generate call in validation."})
     val_jsonl: str | None = field(default=None, metadata={"help": "Default: <output_dir>/val_metrics.jsonl."})
     dry_run: bool = field(default=False, metadata={"help": "Validate the recipe and exit without loading weights."})
+    anchors_dataset: str | None = field(
+        default=None,
+        metadata={"help": "method armor with anchor_source='column': folder written by `armor-trl anchors`; its "
+                  "anchors are added to the training set as anchor_column, matched by prompt."},
+    )
 
 
 @dataclass
@@ -415,6 +420,10 @@ def build_trainer(script_args, training_args, model_args, callbacks=(), run_name
     training_args.model_init_kwargs = model_init_kwargs
     rewards = resolve_rewards(script_args.reward_funcs)
     train, held_out = train_datasets(script_args)
+    if script_args.anchors_dataset:
+        from .pregenerate import attach_anchors
+
+        train = attach_anchors(train, script_args.anchors_dataset, getattr(training_args, "anchor_column", "anchors"))
     kwargs = dict(
         model=model_args.model_name_or_path,
         reward_funcs=rewards,
@@ -595,13 +604,21 @@ def demo_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train_main, "eval": eval_main, "demo": demo_main}
-USAGE = """usage: armor-trl {train,eval,demo} ...
+def anchors_main(argv: list[str]) -> int:
+    from .pregenerate import anchors_main as run
+
+    return run(argv)
+
+
+COMMANDS = {"train": train_main, "eval": eval_main, "demo": demo_main, "anchors": anchors_main}
+USAGE = """usage: armor-trl {train,eval,demo,anchors} ...
 
   train   train with ARMOR or plain GRPO from a YAML recipe (TRL's parser; flags override the recipe)
           e.g. armor-trl train --config recipe.yaml --method grpo --beta 0.04 [--dry_run]
   eval    avg@k and pass@k of a model on a dataset with the built-in verifiers
           e.g. armor-trl eval --model PATH --dataset gsm8k --split test --k 8
+  anchors pre-generate verified anchors from the reference (then train with --anchor_source column
+          --anchors_dataset DIR), e.g. armor-trl anchors --config recipe.yaml --output anchors/ --num_candidates 8
   demo    the offline CPU demo: GRPO vs GRPO+KL vs GRPO at lower lr vs ARMOR on a tiny model ([--seeds N] [--smoke])
 
 Run `armor-trl COMMAND --help` for a command's options."""
