@@ -151,17 +151,51 @@ def _dry_run_requested(argv: list[str], recipe: dict) -> bool:
     return bool(recipe.get("dry_run", False))
 
 
-def _recipe(argv: list[str]) -> dict:
-    path = _cli_value(argv, "config")
-    if path is None:
-        return {}
+def load_recipe(path: str, _seen: tuple = ()) -> dict:
+    """A YAML recipe as a dict. A ``base: other.yaml`` key (relative to the recipe) loads that recipe first and
+    overrides its keys with this one's, so a variant states only what differs."""
     import yaml
 
+    path = os.path.abspath(path)
+    if path in _seen:
+        raise ValueError(f"Recipe {path} includes itself through 'base' ({' -> '.join(_seen + (path,))}).")
     with open(path) as f:
         recipe = yaml.safe_load(f) or {}
     if not isinstance(recipe, dict):
         raise ValueError(f"Recipe {path} must be a YAML mapping.")
-    return recipe
+    base = recipe.pop("base", None)
+    if base is None:
+        return recipe
+    base_path = os.path.join(os.path.dirname(path), base)
+    if not os.path.isfile(base_path):
+        raise ValueError(f"Recipe {path}: base {base!r} not found (looked for {base_path}).")
+    return {**load_recipe(base_path, _seen + (path,)), **recipe}
+
+
+def _recipe(argv: list[str]) -> dict:
+    path = _cli_value(argv, "config")
+    return {} if path is None else load_recipe(path)
+
+
+def _flatten_recipe(argv: list[str]) -> list[str]:
+    """Point --config at a merged copy when the recipe has a ``base`` (TRL's parser reads one plain YAML file)."""
+    path = _cli_value(argv, "config")
+    if path is None:
+        return argv
+    import tempfile
+
+    import yaml
+
+    with open(path) as f:
+        if "base" not in (yaml.safe_load(f) or {}):
+            return argv
+    merged = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="armor-recipe-", delete=False)
+    with merged:
+        yaml.safe_dump(load_recipe(path), merged)
+    index = argv.index("--config") if "--config" in argv else None
+    if index is not None:
+        return argv[: index + 1] + [merged.name] + argv[index + 2 :]
+    return [f"--config={merged.name}" if a.startswith("--config=") else a for a in argv]
 
 
 def parse_train_args(argv: list[str]):
@@ -174,7 +208,7 @@ def parse_train_args(argv: list[str]):
 
     from .config import ArmorConfig
 
-    argv = list(argv)
+    argv = _flatten_recipe(list(argv))
     recipe = _recipe(argv)
     method = _cli_value(argv, "method") or recipe.get("method") or "armor"
     if method not in METHODS:
@@ -397,13 +431,29 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
                  f"lr {training_args.learning_rate}, loss {training_args.loss_type}, beta {training_args.beta}, "
                  f"clip {training_args.epsilon}/{training_args.epsilon_high}")
     if script_args.method == "armor":
+        lines += describe_armor_loop(training_args, max_steps)
+    return lines
+
+
+def describe_armor_loop(args, max_steps: int) -> list[str]:
+    """ARMOR's settings and the training loop (dynamic sampling, QAE) in words, for the dry run."""
+    lines = []
+    if args.armor_enabled:
         lines.append(
-            f"ARMOR: alpha {training_args.resolved_alpha:.4g}, anchors {training_args.use_anchors} "
-            f"({training_args.anchor_num_samples} reference samples, filter '{training_args.anchor_filter}'), "
-            f"mixed ratio {training_args.use_mixed_ratio}"
+            f"ARMOR: alpha {args.resolved_alpha:.4g}, anchors {args.use_anchors} ({args.anchors_per_group} per group "
+            f"from {args.anchor_num_samples} reference samples, selection '{args.anchor_selection}', filter "
+            f"'{args.anchor_filter}'), mixed ratio {args.use_mixed_ratio}"
         )
-        lines.append("reference: " + describe_resets(max_steps, training_args.ref_reset_steps,
-                                                     training_args.ref_reset_every_step_until))
+        lines.append("reference: " + describe_resets(max_steps, args.ref_reset_steps, args.ref_reset_every_step_until))
+    else:
+        lines.append("ARMOR: off (use_anchors and use_mixed_ratio false): GRPOTrainer's loss and rollouts")
+    if args.dynamic_sampling:
+        lines.append(
+            f"dynamic sampling: on, refill up to {args.dynamic_sampling_max_rounds} generation rounds"
+            + (", all-wrong groups with an anchor kept" if args.dynamic_sampling_keep_unsolved else "")
+        )
+    if args.advantage_quantile is not None:
+        lines.append(f"advantage baseline: the group's {args.advantage_quantile:g}-quantile (QAE)")
     return lines
 
 

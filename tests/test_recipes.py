@@ -42,14 +42,20 @@ def test_the_recipes_are_there():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_recipe_dry_run(path, tiny_model_path, capsys):
-    recipe = yaml.safe_load(path.read_text())
+    from armor_trl.cli import load_recipe
+
+    recipe = load_recipe(str(path))
     methods = [recipe.get("method", "armor")] + (["grpo"] if recipe.get("method", "armor") == "armor" else [])
     for method in methods:  # an ARMOR recipe is also the GRPO baseline's (ARMOR keys ignored)
         assert main(dry_run(path, tiny_model_path, "--method", method)) == 0, capsys.readouterr().err
         out = capsys.readouterr().out
         assert "Recipe OK" in out and f"method: {method}" in out
-        if method == "armor":
+        if method == "armor" and recipe.get("use_anchors", True) is False and recipe.get("use_mixed_ratio") is False:
+            assert "ARMOR: off" in out
+        elif method == "armor":
             assert "ARMOR: alpha" in out and "reference: " in out
+        if method == "armor" and recipe.get("dynamic_sampling"):
+            assert "dynamic sampling: on" in out
 
 
 @pytest.mark.parametrize(
@@ -84,7 +90,7 @@ def test_paper_settings():
     hybrid_script, hybrid, _, _ = parse("qwen3-8b-base_armor_hybrid.yaml")
     assert (armor.num_generations, armor.resolved_alpha, armor.anchor_num_samples) == (16, 0.9375, 4)
     assert (armor.ref_reset_steps, armor.ref_reset_every_step_until) == (160 * 16, None)
-    assert (hybrid.num_generations, hybrid.resolved_alpha) == (8, 0.875)
+    assert (hybrid.num_generations, hybrid.resolved_alpha) == (16, 0.875)
     assert (hybrid.ref_reset_every_step_until, hybrid.ref_reset_steps) == (180 * 16, None)
     for config in (armor, dapo, hybrid):
         assert (config.beta, config.loss_type, config.epsilon, config.epsilon_high) == (0.0, "dapo", 0.2, 0.28)
@@ -94,13 +100,42 @@ def test_paper_settings():
     for s in (script, hybrid_script):
         assert (s.dataset_name, s.eval_dataset_name, s.reward_funcs) == ("dapo", "aime24", ["math_verify"])
         assert (s.val_every_steps, s.val_num_samples, s.val_top_p) == (5 * 16, 32, 0.7)
-    assert script.method == "grpo" and model.model_name_or_path == "Qwen/Qwen2.5-Math-7B"
+    assert script.method == "armor" and not (dapo.use_anchors or dapo.use_mixed_ratio)  # ARMOR off: DAPO
+    assert model.model_name_or_path == "Qwen/Qwen2.5-Math-7B"
+    for config in (armor, dapo, hybrid):  # the authors' loop: dynamic sampling with refill, dual clip
+        assert (config.dynamic_sampling, config.dynamic_sampling_max_rounds, config.delta) == (True, 10, 10.0)
+        assert config.advantage_quantile is None and config.anchor_filter == "drop"
+
+
+def test_qae_recipes_are_their_base_plus_the_quantile():
+    for name, base_name in (("qwen2.5-math-7b_qae.yaml", "qwen2.5-math-7b_dapo.yaml"),
+                            ("qwen2.5-math-7b_qae_armor.yaml", "qwen2.5-math-7b_dapo_armor.yaml")):
+        _, qae, _, _ = parse_train_args(["--config", str(CONFIGS / name), "--dry_run"])
+        _, base, _, _ = parse_train_args(["--config", str(CONFIGS / base_name), "--dry_run"])
+        assert qae.advantage_quantile == 0.4 and qae.output_dir != base.output_dir
+        assert (qae.dynamic_sampling, qae.use_anchors, qae.learning_rate) == (
+            base.dynamic_sampling, base.use_anchors, base.learning_rate)
+
+
+def test_a_recipe_base_is_merged_and_overridden(tmp_path):
+    from armor_trl.cli import load_recipe
+
+    (tmp_path / "a.yaml").write_text("learning_rate: 0.1\nseed: 3\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nseed: 4\n")
+    assert load_recipe(str(tmp_path / "b.yaml")) == {"learning_rate": 0.1, "seed": 4}
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ValueError, match="includes itself"):
+        load_recipe(str(tmp_path / "loop.yaml"))
+    (tmp_path / "missing.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(ValueError, match="base 'nowhere.yaml' not found"):
+        load_recipe(str(tmp_path / "missing.yaml"))
 
 
 def test_dapo_baseline_differs_from_armor_only_in_armor_keys():
     armor, dapo = load("qwen2.5-math-7b_dapo_armor.yaml"), load("qwen2.5-math-7b_dapo.yaml")
     armor_keys = {"method", "output_dir", "ref_model_name_or_path", "armor_alpha", "anchor_num_samples",
-                  "anchor_reward_threshold", "anchor_filter", "ref_reset_steps", "ref_reset_every_step_until"}
+                  "anchor_reward_threshold", "anchor_filter", "ref_reset_steps", "ref_reset_every_step_until",
+                  "use_anchors", "use_mixed_ratio"}
     assert set(dapo) - armor_keys == set(armor) - armor_keys
     assert {k: v for k, v in dapo.items() if k not in armor_keys} == {
         k: v for k, v in armor.items() if k not in armor_keys}
