@@ -38,7 +38,9 @@ class DataArguments:
     system_prompt: str | None = field(default=None, metadata={"help": "System message (or text prefix) of prompts."})
     instruction: str | None = field(
         default=None,
-        metadata={"help": "Text appended to each problem; 'default' = ask for the final answer in \\boxed{}."},
+        metadata={"help": "Text appended to each problem; 'default' = ask for the final answer in \\boxed{}; 'dapo' = "
+                  "DAPO-Math-17k's template (final 'Answer:' line, read by math_verify with that rule); prompts that "
+                  "already carry DAPO's instruction get none. See docs/verifiers.md."},
     )
     arithmetic_train_size: int = field(default=64, metadata={"help": "dataset 'arithmetic': training problems."})
     arithmetic_eval_size: int = field(default=200, metadata={"help": "dataset 'arithmetic': held-out problems."})
@@ -57,7 +59,8 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["math_verify"],
-        metadata={"help": "Reward functions: built-in names (math_verify, exact_integer, format) or import paths "
+        metadata={"help": "Reward functions: built-in names (math_verify, exact_integer, format), TRL's reward names "
+                  "(accuracy_reward, think_format_reward, reasoning_accuracy_reward, ...) or import paths "
                   "'pkg.mod:func'. Weights: the config's reward_weights."},
     )
     eval_dataset_name: str | None = field(
