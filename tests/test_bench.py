@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks" / "bench.py"
 CONFIGS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
-    "grpo_dynamic", "armor_dynamic",
+    "grpo_dynamic", "armor_dynamic", "armor_column", "armor_column_lora",
 ]
 PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "other"]
 
@@ -56,6 +56,12 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert "whatif_merged_generation" in summary["armor_lora"]
     for name in ("grpo_dynamic", "armor_dynamic"):  # the refill cost is reported
         assert summary[name]["metrics"]["armor/generation_rounds"] >= 1, name
+    for name in ("armor_column", "armor_column_lora"):  # pre-generated anchors: no reference generation at all
+        assert summary[name]["split_s"]["anchor_gen"] == 0.0, name
+        assert summary[name]["split_s"]["ref_fwd"] > 0, name
+        assert summary[name]["metrics"]["armor/anchor_found_frac"] > 0, name
+    assert meta["pregeneration"]["prompts_per_s"] > 0 and meta["pregeneration"]["num_candidates"] == 2 * meta["k"]
+    assert meta["anchor_break_even"]["break_even_epochs"] is not None
     for run in result["runs"]:
         assert len(run["steps"]) == meta["steps"]
         assert run["peak_rss_mb"] >= run["rss_start_mb"] > 0
@@ -66,6 +72,9 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
         "step time armor_cache_failures / grpo_b004 <= 1.10",
         "peak RSS armor_full / grpo_b004 <= 1.05",
         "LoRA reset / armor_lora step < 0.01",
+        "step time armor_column / grpo_b004 <= 1.05",
+        "step time armor_column_lora / grpo_b004_lora <= 1.05",
+        "peak RSS armor_column / grpo_b004 <= 1.05",
     ]
     assert all(isinstance(t["met"], bool) and t["measured"] > 0 for t in result["targets"])
 
