@@ -109,9 +109,10 @@ def test_refill_stops_at_the_round_limit_and_never_trains_on_nothing(tiny_model_
     assert sum("kept too few groups" in r.message for r in caplog.records) <= 1
 
 
-def test_dropped_groups_change_neither_the_loss_nor_the_gradient_of_the_kept_ones(
+def test_dropped_groups_stay_out_of_the_loss_the_gradient_the_normaliser_and_the_batch_std(
     tiny_model_path, tiny_tokenizer, tmp_path
 ):
+    # one round, no refill: the all-right and all-wrong groups are dropped and fill the batch, masked
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, numbers_dataset(range(12)), tmp_path, reward_funcs=scripted, max_steps=1,
         dynamic_sampling=True, dynamic_sampling_max_rounds=1, per_device_train_batch_size=12, scale_rewards="batch",
@@ -125,6 +126,9 @@ def test_dropped_groups_change_neither_the_loss_nor_the_gradient_of_the_kept_one
     kept = take_rows(batch, kept_rows)
     kept["num_items_in_batch"] = kept["completion_mask"].sum()
     assert batch["num_items_in_batch"] == kept["num_items_in_batch"]  # dropped groups are not in the normaliser
+    # the batch std is over the kept (mixed: 1, 0, 1, 0) groups only
+    expected = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0] * (len(kept_rows) // G)), G, "batch")
+    assert batch["advantages"][: len(kept_rows)].tolist() == pytest.approx(expected.tolist())
 
     def loss_and_grad(inputs):
         trainer.model.zero_grad()
@@ -136,20 +140,6 @@ def test_dropped_groups_change_neither_the_loss_nor_the_gradient_of_the_kept_one
     kept_loss, kept_grad = loss_and_grad(kept)
     assert full_loss == pytest.approx(kept_loss, abs=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(full_grad, kept_grad))
-
-
-def test_batch_std_is_over_kept_groups_only(tiny_model_path, tiny_tokenizer, tmp_path):
-    trainer = make_trainer(
-        tiny_model_path, tiny_tokenizer, numbers_dataset(range(12)), tmp_path, reward_funcs=scripted, max_steps=1,
-        dynamic_sampling=True, dynamic_sampling_max_rounds=1, per_device_train_batch_size=12, scale_rewards="batch",
-        **PLAIN,
-    )
-    _, batches = capture_batches(trainer)
-    trainer.train()
-    batch = batches[0]
-    kept_groups = int((batch["completion_mask"].view(-1, G, batch["completion_mask"].size(1)).sum(dim=(1, 2)) > 0).sum())
-    expected = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0] * kept_groups), G, "batch")
-    assert batch["advantages"][: kept_groups * G].tolist() == pytest.approx(expected.tolist())
 
 
 def test_the_armor_gate_drops_mixed_groups_without_an_anchor(tiny_model_path, tiny_tokenizer, tmp_path):
