@@ -316,7 +316,7 @@ def anchors_main(argv: list[str]) -> int:
     from accelerate.utils import gather_object
     from transformers import AutoTokenizer
 
-    from .cli import parse_train_args, train_datasets
+    from .recipe import parse_train_args, train_datasets
     from .rewards import resolve_rewards
 
     parser = argparse.ArgumentParser(

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from armor_trl import demo
+from armor_trl.experiments import demo
 from armor_trl.cli import main
 
 TIMING = ("time", "per_second", "runtime")

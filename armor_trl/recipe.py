@@ -1,0 +1,345 @@
+"""Building a run from a YAML recipe: the recipe's fields (:class:`TrainScriptArguments`), parsing it with TRL's
+``TrlParser`` (:func:`parse_train_args`), its datasets and validation sets, and the trainer
+(:func:`build_trainer`). The ``armor-trl`` commands (:mod:`armor_trl.cli`) and the experiments
+(:mod:`armor_trl.experiments`) both build runs through this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from trl import ScriptArguments
+
+METHODS = ("armor", "grpo")
+RESERVED_RECIPE_KEYS = ("demo", "study")  # recipe sections read by the experiments (armor_trl.experiments)
+
+
+@dataclass
+class DataArguments:
+    """How a dataset becomes ``prompt`` + ``answer`` (see :func:`armor_trl.datasets.load_rlvr_dataset`)."""
+
+    dataset_schema: str | None = field(
+        default=None,
+        metadata={"help": "Schema of the dataset: gsm8k, math, aime, dapo or prompt_answer. Default: detected."},
+    )
+    chat: bool = field(default=False, metadata={"help": "Write prompts as chat messages (uses the chat template)."})
+    system_prompt: str | None = field(default=None, metadata={"help": "System message (or text prefix) of prompts."})
+    instruction: str | None = field(
+        default=None,
+        metadata={"help": "Text appended to each problem; 'default' = ask for the final answer in \\boxed{}; 'dapo' = "
+                  "DAPO-Math-17k's template (final 'Answer:' line, read by math_verify with that rule); prompts that "
+                  "already carry DAPO's instruction get none. See docs/verifiers.md."},
+    )
+    arithmetic_train_size: int = field(default=64, metadata={"help": "dataset 'arithmetic': training problems."})
+    arithmetic_eval_size: int = field(default=200, metadata={"help": "dataset 'arithmetic': held-out problems."})
+    arithmetic_digits: int = field(default=2, metadata={"help": "dataset 'arithmetic': digits per operand."})
+    arithmetic_seed: int = field(default=0, metadata={"help": "dataset 'arithmetic': seed of the problem draw."})
+
+
+@dataclass
+class TrainScriptArguments(ScriptArguments, DataArguments):
+    """Dataset, reward and validation fields of ``armor-trl train`` (TRL's ScriptArguments plus these)."""
+
+    method: str = field(
+        default="armor",
+        metadata={"help": "armor: ArmorGRPOTrainer + ArmorConfig; grpo: trl.GRPOTrainer + GRPOConfig.",
+                  "choices": list(METHODS)},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["math_verify"],
+        metadata={"help": "Reward functions: built-in names (math_verify, exact_integer, format), TRL's reward names "
+                  "(accuracy_reward, think_format_reward, reasoning_accuracy_reward, ...) or import paths "
+                  "'pkg.mod:func'. Weights: the config's reward_weights."},
+    )
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "Held-out set for validation (logged as val/avg@n). Default: dataset_name's "
+                                "dataset_test_split, unless val_datasets is given."}
+    )
+    val_datasets: list[str] | None = field(
+        default=None,
+        metadata={"help": "More validation sets, each 'source' or 'name=source' (registry name, hub id or local file, "
+                  "its default split), logged as val/<name>/avg@n; prompts are written like the training data's "
+                  "(chat, system_prompt, instruction). E.g. aime24 aime25."},
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N training rows."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N held-out rows."})
+    ref_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "method armor: initial reference policy. Default: the initial policy."}
+    )
+    resume_best_as_reference: str | None = field(
+        default=None,
+        metadata={"help": "Stage 2 of the paper's protocol: start ARMOR from the best checkpoint of this earlier run "
+                  "directory, as policy and reference. Best = trainer_state.json's best_model_checkpoint, else the "
+                  "checkpoint whose step has the highest recorded validation score in val_metrics.jsonl "
+                  "(collapse_guard_metric / metric_for_best_model, else the first val/…avg@n)."},
+    )
+    val_every_steps: int = field(default=0, metadata={"help": "Validate every N optimizer steps (0 = never)."})
+    val_k: int = field(default=4, metadata={"help": "k of pass@k in validation."})
+    val_num_samples: int | None = field(default=None, metadata={"help": "Samples per problem (default: val_k)."})
+    val_temperature: float | None = field(default=None, metadata={"help": "Default: the training temperature."})
+    val_top_p: float = field(default=1.0, metadata={"help": "top-p of validation sampling."})
+    val_max_new_tokens: int | None = field(default=None, metadata={"help": "Default: max_completion_length."})
+    val_batch_size: int = field(default=64, metadata={"help": "Sequences per generate call in validation."})
+    val_jsonl: str | None = field(default=None, metadata={"help": "Default: <output_dir>/val_metrics.jsonl."})
+    dry_run: bool = field(default=False, metadata={"help": "Validate the recipe and exit without loading weights."})
+    anchors_dataset: str | None = field(
+        default=None,
+        metadata={"help": "method armor with anchor_source='column': folder written by `armor-trl anchors`; its "
+                  "anchors are added to the training set as anchor_column, matched by prompt."},
+    )
+
+
+def armor_only_fields() -> list[str]:
+    """Fields that ArmorConfig adds to GRPOConfig."""
+    from trl import GRPOConfig
+
+    from .config import ArmorConfig
+
+    return sorted({f.name for f in fields(ArmorConfig)} - {f.name for f in fields(GRPOConfig)})
+
+
+# --- parsing ---------------------------------------------------------------------------------------------------
+def _cli_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag.startswith("--") and flag[2:].replace("-", "_") == name:
+            return value if value else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def _flags(strings: list[str]) -> list[str]:
+    return [s[2:].split("=", 1)[0].replace("-", "_") for s in strings if s.startswith("--")]
+
+
+def _dry_run_requested(argv: list[str], recipe: dict) -> bool:
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag in ("--dry_run", "--dry-run"):
+            value = value or (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "true")
+            return value.lower() in ("true", "1", "yes")
+    return bool(recipe.get("dry_run", False))
+
+
+def load_recipe(path: str, _seen: tuple = ()) -> dict:
+    """A YAML recipe as a dict. A ``base: other.yaml`` key (relative to the recipe) loads that recipe first and
+    overrides its keys with this one's, so a variant states only what differs."""
+    import yaml
+
+    path = os.path.abspath(path)
+    if path in _seen:
+        raise ValueError(f"Recipe {path} includes itself through 'base' ({' -> '.join(_seen + (path,))}).")
+    with open(path) as f:
+        recipe = yaml.safe_load(f) or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"Recipe {path} must be a YAML mapping.")
+    base = recipe.pop("base", None)
+    if base is None:
+        return recipe
+    base_path = os.path.join(os.path.dirname(path), base)
+    if not os.path.isfile(base_path):
+        raise ValueError(f"Recipe {path}: base {base!r} not found (looked for {base_path}).")
+    return {**load_recipe(base_path, _seen + (path,)), **recipe}
+
+
+def _recipe(argv: list[str]) -> dict:
+    path = _cli_value(argv, "config")
+    return {} if path is None else load_recipe(path)
+
+
+def _flatten_recipe(argv: list[str]) -> list[str]:
+    """Point --config at a merged copy when the recipe has a ``base`` (TRL's parser reads one plain YAML file)."""
+    path = _cli_value(argv, "config")
+    if path is None:
+        return argv
+    import tempfile
+
+    import yaml
+
+    with open(path) as f:
+        if "base" not in (yaml.safe_load(f) or {}):
+            return argv
+    merged = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="armor-recipe-", delete=False)
+    with merged:
+        yaml.safe_dump(load_recipe(path), merged)
+    index = argv.index("--config") if "--config" in argv else None
+    if index is not None:
+        return argv[: index + 1] + [merged.name] + argv[index + 2 :]
+    return [f"--config={merged.name}" if a.startswith("--config=") else a for a in argv]
+
+
+def parse_train_args(argv: list[str]):
+    """Parse ``armor-trl train`` arguments (YAML recipe + flags) with ``trl.TrlParser``.
+
+    Returns ``(script_args, training_args, model_args, notes)``; ``notes`` are warnings to show (ignored keys).
+    Raises ValueError for unknown keys or flags and for invalid values (including ArmorConfig's checks).
+    """
+    from trl import GRPOConfig, ModelConfig, TrlParser
+
+    from .config import ArmorConfig
+
+    argv = _flatten_recipe(list(argv))
+    recipe = _recipe(argv)
+    method = _cli_value(argv, "method") or recipe.get("method") or "armor"
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}.")
+    armor_only = armor_only_fields()
+    if method == "grpo":
+        rejected = [flag for flag in _flags(argv) if flag in armor_only]
+        if rejected:
+            raise ValueError(
+                f"--{', --'.join(rejected)}: ArmorConfig-only field(s), which do not apply to method 'grpo' "
+                "(plain trl.GRPOTrainer). Drop them or use --method armor."
+            )
+    notes = []
+    if _dry_run_requested(argv, recipe) and "use_cpu" not in _flags(argv) and not recipe.get("use_cpu"):
+        import torch
+
+        if not torch.cuda.is_available():  # a GPU recipe checked on a login node or laptop: bf16 needs a GPU
+            argv += ["--use_cpu", "true"]
+            notes.append("dry run without a GPU: the recipe is validated as if use_cpu=True (bf16, vLLM and memory "
+                         "are checked only when training starts on the GPU machine)")
+    parser = TrlParser((TrainScriptArguments, ArmorConfig if method == "armor" else GRPOConfig, ModelConfig),
+                       prog="armor-trl train")
+    script_args, training_args, model_args, recipe_rest, cli_rest = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    if cli_rest:
+        raise ValueError(f"Unknown arguments: {' '.join(cli_rest)}")
+    ignored, unknown = [], []
+    for key in _flags(recipe_rest):
+        if key in RESERVED_RECIPE_KEYS:
+            continue
+        if method == "grpo" and key in armor_only:
+            ignored.append(key)
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"Unknown key(s) in the recipe: {', '.join(unknown)} (not a field of TrainScriptArguments, "
+                         f"{'ArmorConfig' if method == 'armor' else 'GRPOConfig'} or ModelConfig).")
+    if ignored:
+        notes.insert(0, f"method 'grpo' ignores the ArmorConfig-only recipe key(s): {', '.join(ignored)}")
+    return script_args, training_args, model_args, notes
+
+
+# --- building a run --------------------------------------------------------------------------------------------
+def load_datasets(args: DataArguments, train_source: str | None, eval_source: str | None, train_split: str,
+                  eval_split: str | None, name: str | None = None, max_train: int | None = None,
+                  max_eval: int | None = None):
+    """(train, held-out) datasets with ``prompt``/``answer``; either is None when its source is None."""
+    from .datasets import arithmetic_splits, load_rlvr_dataset
+
+    def load(source, split, limit):
+        if source is None:
+            return None
+        if source == "arithmetic":
+            train, held_out = arithmetic_splits(args.arithmetic_train_size, args.arithmetic_eval_size,
+                                                args.arithmetic_seed, args.arithmetic_digits, args.chat,
+                                                args.system_prompt)
+            dataset = train if split == "train" else held_out
+            return dataset.select(range(min(limit, len(dataset)))) if limit else dataset
+        return load_rlvr_dataset(source, split=split, name=name, schema=args.dataset_schema, chat=args.chat,
+                                 system_prompt=args.system_prompt, instruction=args.instruction, limit=limit)
+
+    return load(train_source, train_split, max_train), load(eval_source, eval_split, max_eval)
+
+
+def _held_out_source(script_args: TrainScriptArguments) -> str | None:
+    if script_args.eval_dataset_name is None and script_args.val_every_steps > 0 and not script_args.val_datasets:
+        return script_args.dataset_name
+    return script_args.eval_dataset_name
+
+
+def train_datasets(script_args: TrainScriptArguments):
+    return load_datasets(script_args, script_args.dataset_name, _held_out_source(script_args),
+                         script_args.dataset_train_split, script_args.dataset_test_split, script_args.dataset_config,
+                         script_args.max_train_samples, script_args.max_eval_samples)
+
+
+def named_validation_sets(script_args: TrainScriptArguments) -> dict[str, str]:
+    """{name: source} of ``val_datasets``; a ValueError for an empty or repeated name or one holding '/'."""
+    sets = {}
+    for entry in script_args.val_datasets or []:
+        name, _, source = entry.partition("=") if "=" in entry else (entry, "", entry)
+        if not name or not source or "/" in name or name in sets:
+            raise ValueError(f"val_datasets entry {entry!r}: give 'source' or 'name=source' with a unique name "
+                             "without '/' (a hub id like org/set needs a name: 'set=org/set').")
+        sets[name] = source
+    return sets
+
+
+def validation_sets(script_args: TrainScriptArguments, held_out):
+    """What ValidationCallback validates on: the held-out set alone, or a dict with the named ``val_datasets``
+    (loaded with the training data's prompt template) and the held-out set, if any, under ``None`` (val/avg@n)."""
+    named = named_validation_sets(script_args)
+    if not named:
+        return held_out
+    sets = {} if held_out is None else {None: held_out}
+    for name, source in named.items():
+        sets[name] = load_datasets(script_args, None, source, "train", None, max_eval=script_args.max_eval_samples)[1]
+    return sets
+
+
+def validation_callback(script_args, training_args, eval_dataset, verifier, run_name=None, on_evaluate=None):
+    from .evaluation import ValidationCallback
+
+    return ValidationCallback(
+        eval_dataset,
+        verifier,
+        every_steps=script_args.val_every_steps,
+        k=script_args.val_k,
+        num_samples=script_args.val_num_samples,
+        max_new_tokens=script_args.val_max_new_tokens or training_args.max_completion_length,
+        temperature=training_args.temperature if script_args.val_temperature is None else script_args.val_temperature,
+        top_p=script_args.val_top_p,
+        batch_size=script_args.val_batch_size,
+        seed=training_args.seed,
+        jsonl_path=script_args.val_jsonl or os.path.join(training_args.output_dir, "val_metrics.jsonl"),
+        run_name=run_name,
+        on_evaluate=on_evaluate,
+    )
+
+
+def build_trainer(script_args, training_args, model_args, callbacks=(), run_name=None, on_evaluate=None):
+    """The trainer of a parsed recipe (ArmorGRPOTrainer or trl.GRPOTrainer), with the validation callback."""
+    from trl import GRPOTrainer, get_peft_config, get_quantization_config
+
+    from .rewards import resolve_rewards
+    from .trainer import ArmorGRPOTrainer
+
+    model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
+                             attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+    rewards = resolve_rewards(script_args.reward_funcs)
+    train, held_out = train_datasets(script_args)
+    if script_args.anchors_dataset:
+        from .pregenerate import attach_anchors
+
+        train = attach_anchors(train, script_args.anchors_dataset, getattr(training_args, "anchor_column", "anchors"))
+    kwargs = dict(
+        model=model_args.model_name_or_path,
+        reward_funcs=rewards,
+        args=training_args,
+        train_dataset=train,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+        callbacks=list(callbacks),
+    )
+    if script_args.method == "armor":
+        trainer = ArmorGRPOTrainer(**kwargs, ref_model=script_args.ref_model_name_or_path)
+    else:
+        trainer = GRPOTrainer(**kwargs)
+    if script_args.val_every_steps > 0:
+        verifier = rewards[0] if len(rewards) == 1 else _first_verifier(rewards)
+        # attached (not appended), so it logs through the trainer and every report_to integration gets val/*
+        sets = validation_sets(script_args, held_out)
+        validation_callback(script_args, training_args, sets, verifier, run_name, on_evaluate).attach(trainer)
+    return trainer
+
+
+def _first_verifier(rewards):
+    """With several reward functions, validation uses the first built-in verifier (or the first function)."""
+    from .rewards import exact_integer_reward, math_verify_reward
+
+    return next((r for r in rewards if r in (math_verify_reward, exact_integer_reward)), rewards[0])
