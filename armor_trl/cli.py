@@ -1,4 +1,5 @@
-"""The ``armor-trl`` command: ``train``, ``eval``, ``demo`` and ``anchors`` (see :mod:`armor_trl.pregenerate`).
+"""The ``armor-trl`` command: ``train``, ``eval``, ``demo`` and ``study`` (see :mod:`armor_trl.experiments`),
+``anchors`` (see :mod:`armor_trl.pregenerate`).
 
 ``armor-trl train --config recipe.yaml [--field value ...]`` follows ``trl grpo``: TRL's own ``TrlParser``
 reads a YAML recipe into dataclasses (:class:`TrainScriptArguments`, ``trl.ModelConfig`` and
@@ -329,14 +330,39 @@ def demo_main(argv: list[str]) -> int:
     return 0
 
 
+def study_main(argv: list[str]) -> int:
+    from .experiments import study
+
+    parser = argparse.ArgumentParser(prog="armor-trl study", description=study.__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="Recipe (default: configs/tiny_demo.yaml).")
+    parser.add_argument("--arms", default=None, help="Comma-separated arm names (default: the arms file's 'default').")
+    parser.add_argument("--seeds", type=int, default=None, help="Seeds per arm (default: study.seeds, else 3).")
+    parser.add_argument("--workers", type=int, default=None, help="Parallel runs (default: one per CPU core).")
+    parser.add_argument("--out", default=None, help="Study folder (default: results/study/<recipe name>); rerunning "
+                        "the same command there resumes it, skipping finished runs.")
+    parser.add_argument("--arms_file", default=None, help="Arm definitions (default: configs/study/arms.yaml).")
+    parser.add_argument("--resamples", type=int, default=10_000, help="Bootstrap resamples of the paired CIs.")
+    parser.add_argument("--smoke", action="store_true", help="The recipe's demo.smoke settings: runs in seconds.")
+    args = parser.parse_args(argv)
+    try:
+        arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+        study.run_study(args.config, arms, args.seeds, args.workers, args.out, args.smoke, args.arms_file,
+                        args.resamples)
+    except (ValueError, FileExistsError) as error:
+        print(f"armor-trl study: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def anchors_main(argv: list[str]) -> int:
     from .pregenerate import anchors_main as run
 
     return run(argv)
 
 
-COMMANDS = {"train": train_main, "eval": eval_main, "demo": demo_main, "anchors": anchors_main}
-USAGE = """usage: armor-trl {train,eval,demo,anchors} ...
+COMMANDS = {"train": train_main, "eval": eval_main, "demo": demo_main, "study": study_main,
+            "anchors": anchors_main}
+USAGE = """usage: armor-trl {train,eval,demo,study,anchors} ...
 
   train   train with ARMOR or plain GRPO from a YAML recipe (TRL's parser; flags override the recipe)
           e.g. armor-trl train --config recipe.yaml --method grpo --beta 0.04 [--dry_run]
@@ -345,6 +371,8 @@ USAGE = """usage: armor-trl {train,eval,demo,anchors} ...
   anchors pre-generate verified anchors from the reference (then train with --anchor_source column
           --anchors_dataset DIR), e.g. armor-trl anchors --config recipe.yaml --output anchors/ --num_candidates 8
   demo    the offline CPU demo: GRPO vs GRPO+KL vs GRPO at lower lr vs ARMOR on a tiny model ([--seeds N] [--smoke])
+  study   arms x seeds of one recipe (configs/study/arms.yaml), resumable, paired bootstrap CIs and plots
+          e.g. armor-trl study --arms grpo,grpo_small_lr,armor --seeds 5 [--workers 2] [--out results/study/x]
 
 Run `armor-trl COMMAND --help` for a command's options."""
 

@@ -209,7 +209,7 @@ def test_usage_and_module_entry_point():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-m", "armor_trl", "--help"], capture_output=True, text=True, env=env,
                             cwd=REPO, timeout=120)
-    assert result.returncode == 0 and "armor-trl {train,eval,demo,anchors}" in result.stdout
+    assert result.returncode == 0 and "armor-trl {train,eval,demo,study,anchors}" in result.stdout
 
 
 def test_the_demo_recipe_is_a_valid_train_recipe(tiny_model_path, capsys):

@@ -24,6 +24,7 @@ from transformers import TrainerCallback
 
 from .runner import (VAL_KEY_PREFIX, go_offline, quiet_single_thread, read_recipe, resolve_overrides, smoke_version,
                      train_run, warm_start)
+from .stats import trailing_mean
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_demo.yaml"
 
@@ -54,7 +55,7 @@ class _Progress(TrainerCallback):
 
 
 # --- one run ---------------------------------------------------------------------------------------------------
-# Each method's overrides of the recipe (the study's arms of the same names, configs/study_arms.yaml).
+# Each method's overrides of the recipe (the study's arms of the same names, configs/study/arms.yaml).
 # grpo_small_lr is a control: ARMOR's mixed ratio scales on-policy gradients by about α = (G−1)/G, so plain GRPO
 # at α × the learning rate separates "smaller steps" from what the anchor and the mixture do.
 def method_overrides(kl_beta: float) -> dict[str, dict]:
@@ -124,14 +125,6 @@ def format_table(table: dict, seeds: int) -> str:
     return "\n".join(lines)
 
 
-def _trailing_mean(values, window: int):
-    import numpy as np
-
-    sums = np.cumsum(np.insert(np.asarray(values, dtype=float), 0, 0.0))
-    counts = np.minimum(np.arange(1, len(values) + 1), window)
-    return (sums[1:] - sums[np.arange(1, len(values) + 1) - counts]) / counts
-
-
 def plot(runs: list[dict], path: Path, title: str, smooth: int = 5) -> None:
     """Training reward (trailing mean over ``smooth`` logged points) and validation accuracy vs step, one colour
     per method (mean ± std band over seeds)."""
@@ -157,7 +150,7 @@ def plot(runs: list[dict], path: Path, title: str, smooth: int = 5) -> None:
             steps = np.array([step for step, _ in series[0][:length]])
             values = np.array([[v for _, v in s[:length]] for s in series])
             if ax is ax_train:  # per-step rewards are noisy (a few prompts per step): a trailing mean
-                values = np.stack([_trailing_mean(row, smooth) for row in values])
+                values = np.stack([trailing_mean(row, smooth) for row in values])
             mean, std = values.mean(axis=0), values.std(axis=0)
             ax.plot(steps, mean, color=color, label=LABELS[method])
             if len(series) > 1:

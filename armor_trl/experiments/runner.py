@@ -192,12 +192,15 @@ def train_run(config_path: str, overrides: dict, seed: int, model_path: str, out
         trainer.remove_callback(callback)
     trainer.train()
     wall = time.time() - start
-    validation = next(cb for cb in trainer.callback_handler.callbacks if hasattr(cb, "history")).history
+    callback = next(cb for cb in trainer.callback_handler.callbacks if hasattr(cb, "history"))
+    validation = callback.history
     history = [entry for entry in trainer.state.log_history if "train_runtime" not in entry]
+    held_out = callback.eval_sets.get(None)
+    size = {"val_problems": len(held_out), "val_samples": callback.num_samples} if held_out is not None else {}
     metrics_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = metrics_file.with_name(f".{metrics_file.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        for record in [validation[0]] + history:
+        for record in [{**validation[0], **size}] + history:
             f.write(json.dumps({**tags, **record}) + "\n")
     os.replace(tmp, metrics_file)
     return {"history": history, "validation": validation, "wall_time": wall}
@@ -234,4 +237,6 @@ def read_curves(metrics_file: Path) -> dict:
         "kl_reverse": series(records, "armor/kl_reverse_policy", "kl"),
         "kl_forward": series(records, "armor/kl_forward_anchor"),
         "anchors_found": [v for _, v in series(records, "armor/anchor_found_frac")],
+        "val_problems": records[0].get("val_problems"),
+        "val_samples": records[0].get("val_samples"),
     }

@@ -1,0 +1,177 @@
+"""`armor-trl study`: the statistics against direct computations on made-up curves, the arms, and a 2-arm × 2-seed
+smoke study that writes its files, resumes by re-running only missing runs, and summarises what it wrote."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from armor_trl.cli import main
+from armor_trl.experiments import stats, study
+from armor_trl.experiments.runner import read_curves, resolve_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- statistics on made-up curves ------------------------------------------------------------------------------
+def test_run_metrics_and_auc_by_hand():
+    val = [(0, 0.4), (10, 0.6), (30, 0.5), (40, 0.45), (50, 0.55)]
+    train = [(s, r) for s, r in zip(range(5, 105, 5), [0.1] * 18 + [0.8, 1.0])]  # 20 logs: the last 2 count
+    m = stats.run_metrics(val, train)
+    assert (m["start"], m["peak"], m["peak_step"], m["final"], m["min_after_peak"]) == (0.4, 0.6, 10, 0.55, 0.45)
+    # trapezoids: 10·0.5 + 20·0.55 + 10·0.475 + 10·0.5 = 25.75 over 50 steps
+    assert m["auc"] == pytest.approx(25.75 / 50)
+    assert m["final_train_reward"] == pytest.approx(0.9)
+    assert stats.run_metrics([(0, 0.3)], [])["auc"] == 0.3 and stats.run_metrics([(0, 0.3)], [])["final_train_reward"] is None
+    assert stats.mean_std([0.5, 0.7]) == pytest.approx({"mean": 0.6, "std": 0.1414214, "n": 2})
+
+
+def _exact_bootstrap(values, level=0.95):
+    """Quantiles of the bootstrap distribution itself: every equally likely resample of the values, enumerated;
+    the q-quantile is the smallest mean m with P(mean ≤ m) ≥ q."""
+    means = sorted(statistics.fmean(c) for c in itertools.product(values, repeat=len(values)))
+    tail = (1 - level) / 2
+    return tuple(means[math.ceil(q * len(means)) - 1] for q in (tail, 1 - tail))
+
+
+def test_bootstrap_ci_matches_the_enumerated_bootstrap():
+    # 3 seeds: each all-equal resample has probability 1/27 > 2.5%, so the 95% interval is exactly [min, max]
+    assert _exact_bootstrap([0.02, 0.05, 0.11]) == pytest.approx((0.02, 0.11))
+    assert stats.bootstrap_ci([0.02, 0.05, 0.11], resamples=10_000, seed=0) == pytest.approx((0.02, 0.11))
+    assert stats.bootstrap_ci([0.05, -0.01], seed=3) == pytest.approx((-0.01, 0.05))  # 2 seeds: 1/4 at each end
+    five = [0.1, -0.05, 0.2, 0.03, 0.12]
+    assert stats.bootstrap_ci(five, seed=0) == pytest.approx(_exact_bootstrap(five), abs=0.02)
+    assert stats.bootstrap_ci(five, seed=7) == stats.bootstrap_ci(five, seed=7)  # seeded: reproducible
+
+
+def test_verdict_follows_the_interval():
+    assert stats.verdict((0.01, 0.2)) == "higher"
+    assert stats.verdict((-0.2, -0.01)) == "lower"
+    assert stats.verdict((-0.01, 0.2)) == "no detectable difference"
+    assert stats.verdict((0.0, 0.2)) == "no detectable difference"
+    assert stats.verdict(None).startswith("no detectable difference")
+
+
+def _curves(vals, steps=(0, 10, 20, 30)):
+    return {"val": list(zip(steps, vals)), "train": [(5, 0.5), (15, 0.7)]}
+
+
+def test_paired_comparison_at_matched_steps():
+    base = {0: _curves([0.5, 0.6, 0.4], (0, 10, 20)), 1: _curves([0.5, 0.5, 0.3], (0, 10, 20)),
+            2: _curves([0.4, 0.5, 0.4], (0, 10, 20)), 9: _curves([0.1, 0.1, 0.1], (0, 10, 20))}
+    # the arm validated once more (step 30), which the comparison must ignore; seed 9 has no partner
+    arm = {0: _curves([0.5, 0.6, 0.5, 0.0]), 1: _curves([0.5, 0.6, 0.45, 0.0]), 2: _curves([0.4, 0.5, 0.42, 0.0])}
+    result = stats.paired_comparison(arm, base, resamples=2000, seed=1)
+    assert result["seeds"] == [0, 1, 2]
+    final = result["metrics"]["final"]
+    assert final["diffs"] == pytest.approx([0.1, 0.15, 0.02]) and final["mean"] == pytest.approx(0.09)
+    assert final["ci"] == pytest.approx((0.02, 0.15)) and final["verdict"] == "higher"
+    assert result["metrics"]["peak"]["diffs"] == pytest.approx([0.0, 0.1, 0.0])
+    assert result["metrics"]["peak"]["verdict"] == "no detectable difference"
+    # auc on steps 0..20, trapezoids: seed 1 arm 5.5 + 5.25, base 5 + 4 → (10.75 − 9) / 20
+    assert result["metrics"]["auc"]["diffs"] == pytest.approx([0.5 / 20, 1.75 / 20, 0.1 / 20])
+    assert result["metrics"]["final_train_reward"]["diffs"] == pytest.approx([0.0, 0.0, 0.0])
+    assert [s["step"] for s in result["by_step"]] == [0, 10, 20]
+    worse = stats.paired_comparison(base, arm, resamples=2000)
+    assert worse["metrics"]["final"]["verdict"] == "lower"
+
+
+def test_trailing_mean():
+    assert stats.trailing_mean([1, 2, 3, 4], 2).tolist() == [1.0, 1.5, 2.5, 3.5]
+
+
+# --- arms ------------------------------------------------------------------------------------------------------
+REQUIRED_ARMS = ("grpo", "grpo_kl_0.01", "grpo_small_lr", "grpo_dynamic", "gate_only", "armor", "armor_mix_only",
+                 "armor_anchor_only", "armor_unfiltered", "armor_reset_50", "qae", "qae_armor")
+
+
+def test_every_shipped_arm_is_a_valid_recipe(tiny_model_path, tmp_path):
+    recipe = yaml.safe_load((REPO / "configs" / "tiny_demo.yaml").read_text())
+    arms, default = study.load_arms(recipe)
+    assert set(REQUIRED_ARMS) <= set(arms) and set(default) <= set(arms)
+    resolved = study.check_arms(arms, recipe, str(REPO / "configs" / "tiny_demo.yaml"), tiny_model_path)
+    assert resolved["grpo_small_lr"]["learning_rate"] == pytest.approx(3e-4 * 7 / 8)
+    assert "lr_scale" not in resolved["grpo_small_lr"]
+
+    bad = tmp_path / "arms.yaml"
+    bad.write_text("arms: {typo_arm: {method: armor, use_anchorz: false}}\n")
+    bad_arms, _ = study.load_arms(recipe, bad)
+    with pytest.raises(ValueError, match="arm 'typo_arm'.*use_anchorz"):
+        study.check_arms(bad_arms, recipe, str(REPO / "configs" / "tiny_demo.yaml"), tiny_model_path)
+
+
+def test_arms_from_the_recipe_and_lr_scale():
+    recipe = {"learning_rate": 1e-3, "num_generations": 4,
+              "study": {"arms": {"grpo": {"method": "grpo", "beta": 0.5}, "mine": {"lr_scale": 0.5}}}}
+    arms, _ = study.load_arms(recipe)
+    assert arms["grpo"] == {"method": "grpo", "beta": 0.5} and "armor" in arms and "mine" in arms
+    assert resolve_overrides({"lr_scale": "alpha"}, recipe) == {"learning_rate": pytest.approx(0.75e-3)}
+    assert resolve_overrides({"lr_scale": "alpha", "armor_alpha": 0.5}, recipe)["learning_rate"] == pytest.approx(5e-4)
+    with pytest.raises(ValueError, match="lr_scale"):
+        resolve_overrides({"lr_scale": "half"}, recipe)
+    with pytest.raises(ValueError, match="Unknown arm.*nope"):
+        study.select_arms(arms, ["grpo", "nope"])
+    with pytest.raises(ValueError, match="study: section"):
+        study.load_arms({"study": {"armz": {}}})
+
+
+# --- a smoke study ---------------------------------------------------------------------------------------------
+def _study(out, *extra):
+    return main(["study", "--smoke", "--arms", "grpo,armor", "--seeds", "2", "--workers", "1", "--resamples", "500",
+                 "--out", str(out), *extra])
+
+
+def test_smoke_study_files_resume_and_statistics(tmp_path, capsys):
+    out = tmp_path / "study" / "smoke"
+    assert _study(out) == 0
+    names = ["armor-seed0.jsonl", "armor-seed1.jsonl", "grpo-seed0.jsonl", "grpo-seed1.jsonl"]
+    assert sorted(p.name for p in (out / "metrics").iterdir()) == names
+    for png in ("curves.png", "kl.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Paired differences: arm − grpo" in (out / "summary.md").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runs_executed"] == 4 and summary["seeds"] == [0, 1]
+    assert set(summary["table"]) == {"grpo", "armor"} and set(summary["table"]["grpo"]) >= set(stats.METRICS)
+    assert list(summary["comparisons"]) == ["grpo"] and list(summary["comparisons"]["grpo"]) == ["armor"]
+    assert summary["evaluation"]["problems"] == 16 and summary["evaluation"]["samples"] == 4
+
+    # the summary follows the files: per-seed final differences computed directly from the JSONL
+    curves = {(arm, seed): read_curves(out / "metrics" / f"{arm}-seed{seed}.jsonl")
+              for arm in ("grpo", "armor") for seed in (0, 1)}
+    direct = [curves["armor", s]["val"][-1][1] - curves["grpo", s]["val"][-1][1] for s in (0, 1)]
+    final = summary["comparisons"]["grpo"]["armor"]["metrics"]["final"]
+    assert final["diffs"] == pytest.approx(direct) and final["n"] == 2
+    assert summary["table"]["armor"]["final"]["mean"] == pytest.approx(
+        statistics.fmean(curves["armor", s]["val"][-1][1] for s in (0, 1)))
+    armor_records = [json.loads(line) for line in (out / "metrics" / "armor-seed0.jsonl").read_text().splitlines()]
+    assert any("armor/kl_reverse_policy" in r for r in armor_records)
+    assert {r["arm"] for r in armor_records} == {"armor"}
+
+    # resume: a finished study runs nothing; a deleted result is the only run re-executed
+    kept = {n: (out / "metrics" / n).stat().st_mtime_ns for n in names if n != "armor-seed1.jsonl"}
+    assert _study(out) == 0
+    assert json.loads((out / "summary.json").read_text())["runs_executed"] == 0
+    (out / "metrics" / "armor-seed1.jsonl").unlink()
+    assert _study(out) == 0
+    assert json.loads((out / "summary.json").read_text())["runs_executed"] == 1
+    assert (out / "metrics" / "armor-seed1.jsonl").is_file()
+    assert {n: (out / "metrics" / n).stat().st_mtime_ns for n in kept} == kept
+
+    # the folder refuses a changed definition of an arm it already ran
+    arms_file = tmp_path / "arms.yaml"
+    arms_file.write_text("arms: {grpo: {method: grpo, beta: 0.2}, armor: {method: armor}}\n")
+    capsys.readouterr()
+    assert _study(out, "--arms_file", str(arms_file)) == 2
+    assert "arm 'grpo'" in capsys.readouterr().err
+
+
+def test_unknown_arm_is_a_clear_error(tmp_path, capsys):
+    assert main(["study", "--smoke", "--arms", "grpo,armr", "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "armr" in err and "known arms" in err
