@@ -1,7 +1,8 @@
 """armor-trl: ARMOR (Anchor Rollout and Mixed Optimization) for Hugging Face TRL.
 
 The public names are imported on first use, so that ``import armor_trl.rewards`` (used in verifier worker
-processes) does not pull in torch, transformers and TRL.
+processes) does not pull in torch, transformers and TRL. No public name may equal a submodule's name: importing
+the submodule would replace the package attribute (hence the math lives in ``mixture``, not ``mixed_ratio``).
 """
 
 from importlib import import_module
@@ -10,9 +11,9 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "ArmorConfig": ".config",
     "ArmorGRPOTrainer": ".trainer",
-    "mixed_logprobs": ".mixed_ratio",
-    "mixed_ratio": ".mixed_ratio",
-    "trust_region_bounds": ".mixed_ratio",
+    "mixed_logprobs": ".mixture",
+    "mixed_ratio": ".mixture",
+    "trust_region_bounds": ".mixture",
 }
 __all__ = sorted(_PUBLIC)
 

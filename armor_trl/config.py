@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .mixed_ratio import default_alpha
+from .mixture import default_alpha
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ANCHOR_FILTERS = ("drop", "keep")

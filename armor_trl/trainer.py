@@ -35,7 +35,7 @@ from .anchors import AnchorCache, anchor_rows, fill_groups, policy_rows, select_
 from .column_anchors import ColumnAnchors, verify_round
 from .collapse_guard import CollapseGuard
 from .config import ArmorConfig
-from .mixed_ratio import k3_kl, mixed_logprobs
+from .mixture import k3_kl, mixed_logprobs
 from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_reference, latest_complete_checkpoint
 from .refill import RefillSampler, concat_rows, take_rows
 from .reward_checks import checked

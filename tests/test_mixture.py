@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from armor_trl import mixed_logprobs, mixed_ratio, trust_region_bounds
-from armor_trl.mixed_ratio import default_alpha, k3_kl
+from armor_trl.mixture import default_alpha, k3_kl
 
 
 def direct_mixture(logp, ref_logp, alpha):
@@ -106,3 +106,12 @@ def test_k3_kl_is_nonnegative_and_zero_on_equal_inputs():
     a, b = -torch.rand(100) * 4, -torch.rand(100) * 4
     assert (k3_kl(a, b) >= 0).all()
     assert torch.equal(k3_kl(a, a), torch.zeros_like(a))
+
+
+def test_public_names_are_the_functions_whatever_was_imported_first():
+    import armor_trl
+    import armor_trl.mixture  # noqa: F401  (a submodule import sets a package attribute of its name)
+    import armor_trl.trainer  # noqa: F401
+
+    assert callable(armor_trl.mixed_ratio) and callable(armor_trl.mixed_logprobs)
+    assert armor_trl.mixed_ratio is armor_trl.mixture.mixed_ratio
