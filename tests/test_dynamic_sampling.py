@@ -254,3 +254,33 @@ def test_qae_uses_the_group_quantile_as_baseline(armor, tiny_model_path, tiny_to
     expected = group_advantages(rewards, G, "group", quantile=0.4)
     assert batches[0]["advantages"].tolist() == pytest.approx(expected.tolist(), abs=1e-6)
     assert expected[0].item() == pytest.approx((1 - 0.2) / (0.5774 + 1e-4), abs=1e-3)  # baseline 0.2, not the mean 0.5
+
+
+def test_anchor_advantage_options_act_on_anchor_rows_only(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, anchor_loss_weight=0.5,
+        mask_negative_anchor_advantage=True,
+    )
+    output = {
+        "advantages": torch.tensor([1.0, -1.0, 2.0, -2.0]),
+        "armor_is_anchor": torch.tensor([False, False, True, True]),
+        "completion_mask": torch.ones(4, 3),
+    }
+    trainer._shape_anchor_advantages(output)
+    assert output["advantages"].tolist() == [1.0, -1.0, 1.0, 0.0]  # λ · max(A, 0) on anchors
+
+
+def test_off_policy_ratio_uses_the_reference_as_old_policy_on_anchor_tokens(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2, use_mixed_ratio=False,
+        off_policy_ratio=True, anchor_reward_threshold=0.0,
+    )
+    _, batches = capture_batches(trainer)
+    trainer.train()
+    batch = batches[1]  # after one update π_θ differs from π_ref
+    anchor = batch["armor_is_anchor"]
+    assert anchor.any()
+    assert torch.equal(batch["old_per_token_logps"][anchor], batch["armor_ref_logps"][anchor])
+    assert not torch.equal(batch["old_per_token_logps"][~anchor], batch["armor_ref_logps"][~anchor])
