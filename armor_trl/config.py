@@ -232,6 +232,33 @@ class ArmorConfig(GRPOConfig):
             "rotation picks one per visit of the prompt; an empty list means no anchor (see `anchor_filter`)."
         },
     )
+    # --- a second vLLM server for the reference (use_vllm=True, vllm_mode="server") ---
+    vllm_reference_server_base_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Base URL (e.g. 'http://localhost:8001') of a second `trl vllm-serve` instance that holds the "
+            "reference: anchor candidates are sampled there and the policy's server is never swapped to π_ref. Start "
+            "it with the reference's initial weights (`ref_model` when that is a path, else the policy's model; for "
+            "LoRA the base model); weights are pushed to it only when they differ from those (LoRA, a model instance: "
+            "once, before the first anchors) and after each reference reset, never per step. None (and no "
+            "`vllm_reference_server_port`): anchors are sampled on the policy's engine by swapping weights. If set, "
+            "`vllm_reference_server_host` and `vllm_reference_server_port` are ignored."
+        },
+    )
+    vllm_reference_server_host: str | None = field(
+        default=None,
+        metadata={"help": "Host of the reference's vLLM server (with `vllm_reference_server_port`). None = `vllm_server_host`."},
+    )
+    vllm_reference_server_port: int | None = field(
+        default=None,
+        metadata={"help": "Port of the reference's vLLM server; setting it turns the reference server on."},
+    )
+    vllm_reference_group_port: int = field(
+        default=51217,
+        metadata={
+            "help": "Port of the weight-update group of the reference's vLLM server; must differ from `vllm_group_port`."
+        },
+    )
     # --- collapse guard: the paper's two-stage protocol in one run ---
     collapse_guard: str | None = field(
         default=None,
@@ -391,6 +418,41 @@ class ArmorConfig(GRPOConfig):
                 )
 
     @property
+    def vllm_reference_server_url(self) -> str | None:
+        """URL of the reference's vLLM server, or None when anchors are sampled on the policy's engine."""
+        if self.vllm_reference_server_base_url is not None:
+            return self.vllm_reference_server_base_url
+        if self.vllm_reference_server_port is None:
+            return None
+        return f"http://{self.vllm_reference_server_host or self.vllm_server_host}:{self.vllm_reference_server_port}"
+
+    def _check_reference_server(self) -> None:
+        url = self.vllm_reference_server_url
+        if url is None:
+            if self.vllm_reference_server_host is not None:
+                raise ValueError("vllm_reference_server_host needs vllm_reference_server_port (or set vllm_reference_server_base_url).")
+            return
+        if not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(
+                "vllm_reference_server_base_url / vllm_reference_server_port need use_vllm=True and vllm_mode='server' "
+                f"(got use_vllm={self.use_vllm}, vllm_mode={self.vllm_mode!r}): the reference server is a second "
+                "`trl vllm-serve` beside the policy's. Unset them to sample anchors on the policy's engine."
+            )
+        if not self.use_anchors:
+            raise ValueError("vllm_reference_server_base_url / _port need use_anchors=True: the server only samples anchors.")
+        policy_url = self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}"
+        if url.rstrip("/") == policy_url.rstrip("/"):
+            raise ValueError(
+                f"The reference's vLLM server ({url}) is the policy's (vllm_server_base_url / vllm_server_host:port): "
+                "start a second `trl vllm-serve` with the reference model on another port."
+            )
+        if self.vllm_reference_group_port == self.vllm_group_port:
+            raise ValueError(
+                f"vllm_reference_group_port and vllm_group_port are both {self.vllm_group_port}: the two servers' "
+                "weight-update groups need different ports."
+            )
+
+    @property
     def collapse_guard_watches(self) -> str | None:
         """The metric the collapse guard watches: `collapse_guard_metric`, else `metric_for_best_model` (without
         transformers' "eval_" prefix), else None (the first val/…avg@n logged)."""
@@ -456,6 +518,7 @@ class ArmorConfig(GRPOConfig):
         self._check_collapse_guard()
         self._check_loop_fields()
         self._check_anchor_source()
+        self._check_reference_server()
         if not self.armor_enabled:
             return  # both switches off: plain GRPOTrainer, whatever GRPOConfig allows
         if self.beta != 0.0:

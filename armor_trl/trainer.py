@@ -40,6 +40,7 @@ from .reference import ReferencePolicy, ReferenceResetCallback, copy_model_for_r
 from .refill import RefillSampler, concat_rows, take_rows
 from .reward_checks import checked
 from .rewards import math_verify_reward, verifier_timeouts
+from .vllm_reference import ReferenceServer
 from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
 
 logger = logging.get_logger(__name__)
@@ -116,6 +117,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
             self._check_inputs(train_dataset, processing_class, environment_factory)
 
         self.reference: ReferencePolicy | None = None
+        self._reference_server: ReferenceServer | None = None  # π_ref on a second vLLM server
         self.anchor_cache = None
         if args.anchor_cache and args.use_anchors:
             self.anchor_cache = AnchorCache(args.anchor_cache_size, args.anchor_cache_per_prompt)
@@ -180,6 +182,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 args.ref_reset_at_steps, start_step=lambda: self.armor_started_at,
             )
         )
+        if args.vllm_reference_server_url is not None:
+            # A reference built from a path is assumed to be what the server was started with; otherwise it is pushed.
+            from_path = self.reference.kind == "full" and ref_copy is None and not isinstance(ref_model, torch.nn.Module)
+            self._reference_server = ReferenceServer.connect(self, holds_initial_reference=from_path)
 
     def _check_lora_with_vllm(self) -> None:
         # TRL's vLLM weight sync maps "modules_to_save.default." and the trainable-token delta of the *trained*
@@ -502,6 +508,13 @@ class ArmorGRPOTrainer(GRPOTrainer):
         with self._reference_ready(), seam.generating_with(self, full_reference):
             yield
 
+    def _reference_candidates(self, prompt_ids: list, k: int) -> list:
+        """Sample π_ref's completions: on the reference's own vLLM server when there is one, else on TRL's path."""
+        if self._reference_server is not None:
+            return self._reference_server.generate(prompt_ids, k, self._unwrapped_policy())
+        with self._reference_generation():
+            return seam.generate(self, prompt_ids, k)
+
     def _sample_anchors(self, group_prompt_ids: list, group_inputs: list[dict]) -> list:
         """Return ``max(anchor slots, 1)`` anchors per group, group after group: from the cache, or picked from K
         reference candidates per ``anchor_selection``.
@@ -548,8 +561,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if sampled:
             candidate_prompt_ids = [group_prompt_ids[g] for g in sampled for _ in range(k)]
             candidate_inputs = [group_inputs[g] for g in sampled for _ in range(k)]
-            with self._reference_generation():
-                candidate_ids = seam.generate(self, candidate_prompt_ids, k)
+            candidate_ids = self._reference_candidates(candidate_prompt_ids, k)
             prompts = [row["prompt"] for row in candidate_inputs]
             completions = seam.decode(self, candidate_ids, seam.is_conversational_prompt(prompts[0]))
             rewards = seam.score_quietly(self, candidate_inputs, prompts, completions, candidate_ids)

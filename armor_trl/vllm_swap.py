@@ -6,6 +6,9 @@ is marked stale so that TRL pushes the policy's weights again before the next po
 reference equals the policy (right after a reset, or at the start of a run from the same weights) no
 swap is needed. Anchors are never reweighted by vLLM's importance-sampling correction: their sampling
 log-probs are NaN, which TRL neutralises, and the trainer sets their ratio to 1.
+
+This is the fallback: with `vllm_reference_server_base_url` / `_port` the reference has its own vLLM server and no swap
+happens (``vllm_reference``).
 """
 
 from __future__ import annotations

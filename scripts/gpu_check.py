@@ -3,6 +3,11 @@
 Reports median step time and peak GPU memory side by side. Needs CUDA; no hub access (the model
 has random weights and the character tokenizer of armor_trl.tiny, with Qwen2.5-0.5B's shapes).
 Run: scripts/gpu_check.sh [--steps N] [--vllm]
+
+With --reference_server (run by gpu_check.sh where vllm is installed and 3 GPUs are visible): ARMOR in vLLM server
+mode with a second `trl vllm-serve` holding the reference (`vllm_reference_server_port`). GPU 0 trains, GPU 1 serves the
+policy (port 8000), GPU 2 the reference (port 8001): NCCL's weight transfer cannot pair two ranks on one GPU. Checks
+that the reference server gets weights only after the resets (τ = 2) and reports step time and anchors found.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -88,10 +94,63 @@ def run(name, model_path, tokenizer, steps, lora, vllm, output_root):
     return result
 
 
+def serve(model_path: str, port: int, gpu: str, log_path: str) -> subprocess.Popen:
+    """Start `trl vllm-serve` with ``model_path`` on one GPU (the caller terminates it)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+    command = ["trl", "vllm-serve", "--model", model_path, "--port", str(port), "--gpu_memory_utilization", "0.5",
+               "--max_model_len", "1024"]
+    return subprocess.Popen(command, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+
+
+def reference_server_run(model_path, tokenizer, steps, output_root, out):
+    """ARMOR with the policy on one vLLM server and the reference on a second one; weights reach it only at resets."""
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1,2").split(",")
+    assert len(gpus) >= 3 and torch.cuda.device_count() >= 3, "the reference-server check needs 3 GPUs"
+    servers = [serve(model_path, 8000, gpus[1], os.path.join(out, "vllm_policy.log")),
+               serve(model_path, 8001, gpus[2], os.path.join(out, "vllm_reference.log"))]
+    try:
+        args = ArmorConfig(
+            output_dir=os.path.join(output_root, "armor_reference_server"), per_device_train_batch_size=16,
+            num_generations=8, max_completion_length=128, max_steps=steps, learning_rate=1e-6, bf16=True,
+            report_to="none", logging_steps=1, save_strategy="no", seed=0, anchor_reward_threshold=0.2,
+            ref_reset_steps=2, use_vllm=True, vllm_mode="server", vllm_server_port=8000, vllm_reference_server_port=8001,
+            vllm_server_timeout=600,
+        )
+        dataset = Dataset.from_dict({"prompt": [f"{i}+{i * 7}=" for i in range(256)]})
+        trainer = ArmorGRPOTrainer(model=model_path, reward_funcs=digit_share, args=args, train_dataset=dataset,
+                                   processing_class=tokenizer)
+        engine, pushes = trainer._reference_server.engine, []
+        push = engine.sync_weights
+
+        def recorded_push():
+            pushes.append(trainer.state.global_step)
+            push()
+
+        engine.sync_weights = recorded_push
+        timer = StepTimer()
+        trainer.add_callback(timer)
+        trainer.train()
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=60)
+    found = [h["armor/anchor_found_frac"] for h in trainer.state.log_history if "armor/anchor_found_frac" in h]
+    # started with the model path: pushed only after the resets at steps 2, 4, ... (before the next anchors)
+    expected = list(range(2, steps, 2))
+    result = {"run": "armor_reference_server", "median_step_s": statistics.median(timer.times[2:] or timer.times),
+              "reference_pushes_at_steps": pushes, "expected_pushes": expected, "ok": pushes == expected,
+              "anchor_found_frac": statistics.mean(found) if found else None}
+    print(json.dumps(result), flush=True)
+    with open(os.path.join(out, "reference_server.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    assert result["ok"], f"the reference server got weights at steps {pushes}, expected {expected}"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--vllm", action="store_true")
+    parser.add_argument("--reference_server", action="store_true", help="only the two-server check (3 GPUs, vllm)")
     parser.add_argument("--out", default=os.environ.get("OUT", "results/gpu_check"))
     cli = parser.parse_args()
     assert torch.cuda.is_available(), "the GPU check needs CUDA"
@@ -99,6 +158,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model_path = build_half_billion(os.path.join(tmp, "model"))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if cli.reference_server:
+            reference_server_run(model_path, tokenizer, cli.steps, tmp, cli.out)
+            return
         results = []
         for lora in (False, True):
             for method in ("grpo_beta0.04", "armor"):
