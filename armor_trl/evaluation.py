@@ -3,7 +3,8 @@
 * :func:`pass_at_k` is the unbiased estimator 1 − C(n−c, k)/C(n, k) (Chen et al., 2021) from n samples with c
   correct; avg@k is the mean accuracy over the samples of each problem, averaged over problems.
 * :func:`evaluate` samples with ``transformers`` ``generate`` (batched, temperature/top-p configurable) and
-  scores with a verifier in TRL's reward signature (:mod:`armor_trl.rewards`).
+  scores with a verifier in TRL's reward signature (:mod:`armor_trl.rewards`); :func:`evaluate_with_trainer` does
+  the same through a GRPOTrainer's own generation path (transformers or vLLM), sharded over its processes.
 * :class:`ValidationCallback` evaluates every N optimizer steps on a held-out set during training and logs
   ``val/avg@k``, ``val/pass@k`` and ``val/reward_gap`` (training reward minus validation accuracy, the
   reward–validation gap ARMOR targets) through the trainer's logging, so every ``report_to`` integration gets
@@ -22,6 +23,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import SaveStrategy
 from transformers.utils import logging
+from trl import GRPOTrainer
 
 from .rewards import completion_text
 
@@ -194,6 +196,12 @@ def evaluate(
             model, tokenizer, dataset["prompt"], n, max_new_tokens, temperature, top_p, batch_size
         )
     counts, reasons = score_with_reasons(completions, dataset, verifier)
+    samples = [[completion_text(s) for s in group[:2]] for group in completions[:4]]
+    return summarize(counts, reasons, dataset, n, k, samples)
+
+
+def summarize(counts: list, reasons: list, dataset, n: int, k: int, samples: list | None = None) -> dict:
+    """``evaluate()``'s result from the correct counts and unjudged reasons of every problem of ``dataset``."""
     judged = [c for c in counts if c is not None]
     reason_counts = dict(Counter(reason for reason in reasons if reason is not None))
     if not judged:
@@ -215,8 +223,86 @@ def evaluate(
         ],
         "num_samples": n,
         "correct_counts": counts,
-        "samples": [[completion_text(s) for s in group[:2]] for group in completions[:4]],
+        "samples": samples or [],
     }
+
+
+def problem_seed(seed: int, index: int) -> int:
+    """The generation seed of problem ``index`` (the first of its call) in the validation seeded ``seed``."""
+    return (seed * 1_000_003 + index) % 2**63
+
+
+def shard(num_problems: int, rank: int, world_size: int) -> tuple[list[int], int]:
+    """Problem indices of process ``rank``: a contiguous block, padded by repeating its last (or the last overall)
+    problem, so every process holds the same number and makes the same number of generation calls (collective
+    under ZeRO-3 and vLLM server mode). Returns the padded indices and how many of them are real."""
+    per = -(-num_problems // world_size)
+    own = list(range(min(rank * per, num_problems), min((rank + 1) * per, num_problems)))
+    filler = own[-1] if own else num_problems - 1
+    return own + [filler] * (per - len(own)), len(own)
+
+
+def _all_gather(value) -> list:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [value]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def evaluate_with_trainer(
+    trainer,
+    dataset,
+    verifier: Callable,
+    k: int = 8,
+    num_samples: int | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> dict:
+    """:func:`evaluate` through a GRPOTrainer's own generation path (transformers, or vLLM colocate/server when
+    ``use_vllm``), sharded over all its processes; every process must call it and gets the same result.
+
+    Each process generates for its block of problems (:func:`shard`) with validation's sampling settings (set for
+    the block by :func:`armor_trl.trl_seam.sampling_with`) and scores them with ``verifier``; the correct counts are
+    gathered and the estimators computed on every process. Each generation call holds ``batch_size // n`` problems
+    (at least one) and is seeded from its first problem (:func:`problem_seed`): with ``batch_size <= n`` (one
+    problem per call) the transformers path draws the same completions for a problem whatever the number of
+    processes. vLLM samples with its own seeds. The global RNG state and the model's train/eval mode are restored.
+    """
+    from . import trl_seam
+
+    n = check_k(k, num_samples)
+    draws = 1 if temperature == 0 else n  # greedy: one completion per problem, repeated n times
+    tokenizer = trainer.processing_class
+    all_ids = _prompt_ids(tokenizer, dataset["prompt"])
+    indices, real = shard(len(all_ids), trainer.accelerator.process_index, trainer.accelerator.num_processes)
+    per_call = max(1, batch_size // draws)
+    model, was_training = trainer.model, trainer.model.training
+    device = trainer.accelerator.device
+    completions: list[list[str]] = []
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                trl_seam.sampling_with(trainer, temperature, top_p, max_new_tokens):
+            for start in range(0, len(indices), per_call):
+                chunk = indices[start : start + per_call]
+                torch.manual_seed(problem_seed(seed, chunk[0]))
+                ids = trl_seam.generate(trainer, [all_ids[i] for i in chunk for _ in range(draws)], draws)
+                texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+                completions += [texts[j * draws : (j + 1) * draws] * (n // draws) for j in range(len(chunk))]
+    finally:
+        model.train(was_training)
+    own = indices[:real]
+    counts, reasons = score_with_reasons(completions[:real], dataset.select(own), verifier) if own else ([], [])
+    local = [(i, c, r, group[:2]) for i, c, r, group in zip(own, counts, reasons, completions)]
+    rows = sorted((row for part in _all_gather(local) for row in part), key=lambda row: row[0])
+    if [row[0] for row in rows] != list(range(len(all_ids))):
+        raise RuntimeError(f"validation gathered problems {[row[0] for row in rows]}, expected 0..{len(all_ids) - 1}")
+    samples = [[completion_text(s) for s in row[3]] for row in rows[:4]]
+    return summarize([row[1] for row in rows], [row[2] for row in rows], dataset, n, k, samples)
 
 
 def _from_main_process(value):
@@ -250,8 +336,13 @@ class ValidationCallback(TrainerCallback):
     reach no reporter (warned once at the start of training when ``report_to`` names one).
 
     The evaluation before training (step 0) is kept in ``self.history`` and the JSONL file only. Each record is
-    kept in ``self.history`` and appended to ``jsonl_path`` if given. Evaluation runs on the main process only (it
-    is not sharded across processes); its values are broadcast, so every process logs the same entry.
+    kept in ``self.history`` and appended to ``jsonl_path`` (by the main process) if given.
+
+    Attached to a GRPOTrainer, validation generates through the trainer's own generation path
+    (:func:`evaluate_with_trainer`: transformers or vLLM, as the run does, with this callback's sampling settings),
+    sharded over all processes, so it works under DDP, ZeRO-2 and ZeRO-3. Otherwise it generates with
+    ``transformers`` ``generate`` on the main process only (refused under ZeRO-3) and broadcasts the values. Either
+    way every process logs the same entry.
     """
 
     def __init__(
@@ -297,13 +388,24 @@ class ValidationCallback(TrainerCallback):
             trainer.add_callback(self)
         return self
 
+    @property
+    def on_every_process(self) -> bool:
+        """Whether validation runs through the trainer's generation path, sharded over all processes (attached to
+        a GRPOTrainer), rather than with ``transformers`` ``generate`` on the main process only."""
+        return isinstance(self.trainer, GRPOTrainer)
+
     def _evaluate(self, state, model, tokenizer) -> dict:
         values = {}
         for name, dataset in self.eval_sets.items():
-            result = evaluate(
-                model, tokenizer, dataset, self.verifier, self.k, self.num_samples,
-                seed=self.seed + state.global_step, **self.generation,
-            )
+            seed = self.seed + state.global_step
+            if self.on_every_process:
+                result = evaluate_with_trainer(
+                    self.trainer, dataset, self.verifier, self.k, self.num_samples, seed=seed, **self.generation
+                )
+            else:
+                result = evaluate(
+                    model, tokenizer, dataset, self.verifier, self.k, self.num_samples, seed=seed, **self.generation
+                )
             prefix = "val/" if name is None else f"val/{name}/"
             values[f"{prefix}avg@{self.num_samples}"] = result[f"avg@{self.num_samples}"]
             values[f"{prefix}pass@{self.k}"] = result[f"pass@{self.k}"]
@@ -342,12 +444,12 @@ class ValidationCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         plugin = getattr(args, "deepspeed_plugin", None)
-        if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+        if not self.on_every_process and plugin is not None and getattr(plugin, "zero_stage", None) == 3:
             # generation on one process of a model sharded over all of them would wait forever for the others
             raise ValueError(
-                "Validation during training (val_every_steps) runs on the main process only and does not work with "
-                "DeepSpeed ZeRO-3, which shards the weights. Use ZeRO-2 or DDP, or set val_every_steps 0 and "
-                "evaluate saved checkpoints with `armor-trl eval`."
+                "A ValidationCallback not attached to a GRPOTrainer runs on the main process only and does not work "
+                "with DeepSpeed ZeRO-3, which shards the weights. Attach it (ValidationCallback(...).attach(trainer)) "
+                "to validate through the trainer's generation on every process."
             )
         reporters = [r for r in (getattr(args, "report_to", None) or []) if r != "none"]
         if self.trainer is None and reporters and state.is_world_process_zero:
@@ -356,7 +458,9 @@ class ValidationCallback(TrainerCallback):
                 f"and the JSONL file but not to report_to={reporters}. Use ValidationCallback(...).attach(trainer) "
                 "(or trainer=...) instead of callbacks=[...] so every reporter gets them."
             )
-        if state.is_world_process_zero and state.global_step == 0:
+        if state.global_step == 0 and self.on_every_process:
+            self._record(0, self._evaluate(state, model, processing_class), None, write=state.is_world_process_zero)
+        elif state.global_step == 0 and state.is_world_process_zero:
             self._record(0, self._evaluate(state, model, processing_class), None)
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
@@ -364,8 +468,11 @@ class ValidationCallback(TrainerCallback):
             # Log this step on every process (logging gathers the loss across processes): the training log of the
             # step carries the training reward the gap is measured against, and the values follow it at this step.
             control.should_log = True
-            values = self._evaluate(state, model, processing_class) if state.is_world_process_zero else None
-            self._pending = _from_main_process(values)  # every process logs them (and a collapse guard sees them)
+            if self.on_every_process:  # collective: every process evaluates its share and gets all values
+                self._pending = self._evaluate(state, model, processing_class)
+            else:
+                values = self._evaluate(state, model, processing_class) if state.is_world_process_zero else None
+                self._pending = _from_main_process(values)  # every process logs them (and a collapse guard sees them)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+from transformers import GenerationConfig
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
@@ -25,9 +26,14 @@ OVERRIDDEN = {
     "_save_checkpoint": ["model", "trial"],
     "_load_optimizer_and_scheduler": ["checkpoint"],
 }
-# private attributes read or written (the vLLM ones exist only with use_vllm=True)
+# What TRL's generation reads for its sampling settings: the trainer's GenerationConfig (transformers path) and the
+# vLLM wrapper's attributes (vLLM path, where generation_kwargs is applied last). The trainer's own attributes are
+# read elsewhere (the log-prob temperature); they are set too, so that nothing sees training's values in the block.
+SAMPLING_ATTRIBUTES = ("temperature", "top_p", "max_completion_length")
+# private attributes read or written (the vLLM ones exist only with use_vllm=True, generation_config only without)
 ATTRIBUTES = (
     "_metrics", "_pending_extra_logs", "_pending_metrics", "model_wrapped", "use_vllm", "_tokenizer", "_buffered_inputs",
+    "generation_config", "generation_kwargs", *SAMPLING_ATTRIBUTES,
 )
 VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
 
@@ -79,6 +85,48 @@ def generate(trainer: GRPOTrainer, prompt_ids: list[list[int]], num_generations:
     """Sample completions with the trainer's own generation path (no tool loop, no decoding)."""
     completion_ids, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, None, {}, num_generations)
     return completion_ids
+
+
+_SAMPLING_KWARGS = ("temperature", "top_p", "max_tokens", "max_new_tokens", "do_sample")
+
+
+@contextlib.contextmanager
+def sampling_with(trainer: GRPOTrainer, temperature: float, top_p: float, max_tokens: int):
+    """TRL's generation path samples with these settings within the block (0 temperature: greedy); training's
+    settings are restored afterwards. top-k, min-p and repetition penalty stay training's."""
+    if temperature < 0 or not 0 < top_p <= 1 or max_tokens < 1:
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and max_tokens >= 1, got {temperature}, {top_p}, "
+                         f"{max_tokens}")
+    values = {"temperature": temperature, "top_p": top_p, "max_completion_length": max_tokens}
+    targets = [trainer] + ([trainer.vllm_generation] if trainer.use_vllm else [])
+    saved = [(obj, {name: getattr(obj, name) for name in SAMPLING_ATTRIBUTES}) for obj in targets]
+    if trainer.use_vllm:
+        engine = trainer.vllm_generation
+        saved.append((engine, {"generation_kwargs": engine.generation_kwargs}))
+        kept = {k: v for k, v in engine.generation_kwargs.items() if k not in _SAMPLING_KWARGS}
+    else:
+        saved.append((trainer, {"generation_config": trainer.generation_config,
+                                "generation_kwargs": trainer.generation_kwargs}))
+        kwargs = {k: v for k, v in trainer.generation_kwargs.items() if k not in _SAMPLING_KWARGS}
+        kwargs.update(max_new_tokens=max_tokens, do_sample=temperature > 0)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=top_p)
+        else:  # greedy: no sampling filters (transformers warns about them)
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("top_k", "min_p")}
+    try:
+        for obj in targets:
+            for name, value in values.items():
+                setattr(obj, name, value)
+        if trainer.use_vllm:
+            engine.generation_kwargs = kept
+        else:
+            trainer.generation_kwargs = kwargs
+            trainer.generation_config = GenerationConfig(**kwargs, disable_compile=True)
+        yield
+    finally:
+        for obj, attributes in saved:
+            for name, value in attributes.items():
+                setattr(obj, name, value)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,10 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from armor_trl.evaluation import NothingJudgedError, ValidationCallback, evaluate, pass_at_k, sample_completions
+from armor_trl import trl_seam
+from armor_trl.evaluation import (
+    NothingJudgedError, ValidationCallback, evaluate, evaluate_with_trainer, pass_at_k, sample_completions, shard,
+)
 from armor_trl.rewards import exact_integer_reward
 from conftest import cpu_args, has_digit_reward
 
@@ -237,3 +241,96 @@ def test_load_best_model_at_end_picks_the_best_validation(tiny_model_path, promp
     assert all(torch.equal(best[name], params[name].detach()) for name in best)  # loaded back at the end
     last = load_file(str(tmp_path / "checkpoint-1" / "model.safetensors"))
     assert any(not torch.equal(last[name], best[name]) for name in best)
+
+
+def test_shards_cover_every_problem_once_and_are_padded_to_equal_length():
+    for problems in range(1, 12):
+        for world in range(1, 5):
+            shards = [shard(problems, rank, world) for rank in range(world)]
+            assert len({len(indices) for indices, _ in shards}) == 1  # same number of generation calls everywhere
+            real = [i for indices, count in shards for i in indices[:count]]
+            assert real == list(range(problems))
+            assert all(0 <= i < problems for indices, _ in shards for i in indices)
+
+
+def _grpo_trainer(tiny_model_path, prompt_dataset, tmp_path, **overrides):
+    args = GRPOConfig(output_dir=str(tmp_path), **cpu_args(**{"temperature": 0.7, **overrides}))
+    return GRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=args, train_dataset=prompt_dataset)
+
+
+def test_sampling_with_sets_validation_settings_for_the_block_and_restores_training_ones(
+    tiny_model_path, prompt_dataset, tmp_path
+):
+    trainer = _grpo_trainer(tiny_model_path, prompt_dataset, tmp_path)
+    config, kwargs = trainer.generation_config, trainer.generation_kwargs
+    with trl_seam.sampling_with(trainer, temperature=1.3, top_p=0.6, max_tokens=3):
+        inside = trainer.generation_config
+        assert (inside.temperature, inside.top_p, inside.max_new_tokens, inside.do_sample) == (1.3, 0.6, 3, True)
+        assert (trainer.temperature, trainer.top_p, trainer.max_completion_length) == (1.3, 0.6, 3)
+        assert inside.eos_token_id == config.eos_token_id and inside.pad_token_id == config.pad_token_id
+    with trl_seam.sampling_with(trainer, temperature=0, top_p=1.0, max_tokens=5):
+        assert not trainer.generation_config.do_sample and trainer.generation_config.max_new_tokens == 5
+    assert trainer.generation_config is config and trainer.generation_kwargs is kwargs
+    assert (trainer.temperature, trainer.top_p, trainer.max_completion_length) == (0.7, 1.0, 8)
+    with pytest.raises(ValueError, match="top_p"), trl_seam.sampling_with(trainer, 1.0, 0.0, 4):
+        pass
+    # vLLM: the engine wrapper's attributes are what TRL reads; its generation_kwargs must not override them
+    engine = SimpleNamespace(temperature=0.7, top_p=1.0, max_completion_length=8,
+                             generation_kwargs={"temperature": 0.7, "max_tokens": 8, "seed": 1})
+    fake = SimpleNamespace(use_vllm=True, temperature=0.7, top_p=1.0, max_completion_length=8, vllm_generation=engine)
+    with trl_seam.sampling_with(fake, temperature=1.0, top_p=0.7, max_tokens=4):
+        assert (engine.temperature, engine.top_p, engine.max_completion_length) == (1.0, 0.7, 4)
+        assert engine.generation_kwargs == {"seed": 1}
+    assert (engine.temperature, engine.top_p, engine.max_completion_length) == (0.7, 1.0, 8)
+    assert engine.generation_kwargs == {"temperature": 0.7, "max_tokens": 8, "seed": 1}
+
+
+def test_evaluate_with_trainer_uses_its_generation_path_with_validation_settings(
+    tiny_model_path, prompt_dataset, tmp_path, monkeypatch
+):
+    trainer = _grpo_trainer(tiny_model_path, prompt_dataset, tmp_path)
+    held_out = prompt_dataset.select(range(5))
+    seen = []
+    original = GRPOTrainer._generate_single_turn
+
+    def spy(self, prompt_ids, *args, **kwargs):
+        config = self.generation_config
+        seen.append((len(prompt_ids), config.temperature, config.top_p, config.max_new_tokens, self.model.training))
+        return original(self, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", spy)
+    trainer.model.train()
+    rng = torch.random.get_rng_state()
+    kwargs = dict(k=2, num_samples=3, max_new_tokens=3, temperature=1.2, top_p=0.8, batch_size=6)
+    first = evaluate_with_trainer(trainer, held_out, has_digit_reward, seed=4, **kwargs)
+    assert seen == [(6, 1.2, 0.8, 3, False)] * 2 + [(3, 1.2, 0.8, 3, False)]  # 2 problems x 3 samples per call
+    assert trainer.model.training and torch.equal(rng, torch.random.get_rng_state())
+    assert all(len(s) <= 3 for group in first["samples"] for s in group)  # max_new_tokens: 3 one-character tokens
+    again = evaluate_with_trainer(trainer, held_out, has_digit_reward, seed=4, **kwargs)
+    other = evaluate_with_trainer(trainer, held_out, has_digit_reward, seed=5, **kwargs)
+    assert again["correct_counts"] == first["correct_counts"] and again["samples"] == first["samples"]
+    assert other["samples"] != first["samples"]
+    assert first["avg@3"] == pytest.approx(sum(first["correct_counts"]) / 15)
+    assert first["pass@2"] == pytest.approx(sum(pass_at_k(3, c, 2) for c in first["correct_counts"]) / 5)
+    # greedy: one completion per problem, repeated; the same completions as transformers generate on the model
+    seen.clear()
+    greedy = evaluate_with_trainer(trainer, held_out, has_digit_reward, k=2, num_samples=3, max_new_tokens=4,
+                                   temperature=0, batch_size=1)
+    assert [rows for rows, *_ in seen] == [1] * 5
+    direct = evaluate(trainer.model, trainer.processing_class, held_out, has_digit_reward, k=2, num_samples=3,
+                      max_new_tokens=4, temperature=0, batch_size=1)
+    assert greedy["correct_counts"] == direct["correct_counts"] and greedy["samples"] == direct["samples"]
+
+
+def test_attached_callback_validates_through_the_trainer(tiny_model_path, prompt_dataset, tmp_path, monkeypatch):
+    calls = []
+    generate = trl_seam.generate
+    monkeypatch.setattr(trl_seam, "generate", lambda trainer, ids, n: calls.append(len(ids)) or generate(trainer, ids, n))
+    trainer = _grpo_trainer(tiny_model_path, prompt_dataset, tmp_path, max_steps=1)
+    callback = ValidationCallback(prompt_dataset.select(range(3)), has_digit_reward, every_steps=1, k=2,
+                                  num_samples=2, max_new_tokens=4, batch_size=2).attach(trainer)
+    assert callback.on_every_process
+    trainer.train()
+    assert calls == [2] * 6  # steps 0 and 1, one problem x 2 samples per call
+    assert [r["step"] for r in callback.history] == [0, 1]
+    assert any("val/avg@2" in e for e in trainer.state.log_history)
