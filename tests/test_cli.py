@@ -223,7 +223,7 @@ def test_the_demo_recipe_is_a_valid_train_recipe(tiny_model_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["armor", "grpo"])
 def test_train_under_accelerate_launch_two_processes(recipe, tmp_path, method):
-    """`accelerate launch -m armor_trl train` with 2 CPU processes, validating every step (main process only)."""
+    """`accelerate launch -m armor_trl train` with 2 CPU processes, validating every step (sharded over both processes)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
