@@ -64,3 +64,32 @@ def test_ablation_switches_off_allow_any_grpo_setting():
 
 def test_sequence_level_is_allowed_without_the_mixed_ratio():
     assert make(use_mixed_ratio=False, importance_sampling_level="sequence").use_anchors
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dynamic_sampling_max_rounds=0), "dynamic_sampling_max_rounds must be an integer >= 1"),
+        (dict(advantage_quantile=1.5), "advantage_quantile must lie in \\[0, 1\\]"),
+        (dict(dynamic_sampling=True, multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
+        (dict(anchor_selection="best"), "anchor_selection must be one of \\['correct', 'any', 'incorrect'\\]"),
+        (dict(anchors_per_group=4), "anchors_per_group must be at least 1 and below num_generations"),
+        (dict(anchors_per_group=3, anchor_num_samples=2), "anchor_num_samples \\(2\\) must be at least anchors_per_group"),
+        (dict(anchor_loss_weight=-1.0), "anchor_loss_weight must be >= 0"),
+        (dict(use_anchors=False, dynamic_sampling_keep_unsolved=True), "dynamic_sampling_keep_unsolved=True needs use_anchors"),
+        (dict(off_policy_ratio=True), "set use_mixed_ratio=False with it"),
+        (dict(use_mixed_ratio=False, off_policy_ratio=True, anchor_gate_only=True), "cannot be combined with anchor_gate_only"),
+        (dict(anchor_cache=True, anchor_selection="any"), "anchor_cache=True keeps one verified anchor"),
+        (dict(armor_alpha_decay_steps=0), "armor_alpha_decay_steps must be a positive number"),
+        (dict(ref_reset_at_steps=[0, 3]), "ref_reset_at_steps must hold positive optimizer steps"),
+    ],
+)
+def test_loop_and_ablation_mistakes_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+def test_reset_steps_from_the_command_line_and_alpha_for_several_anchors():
+    assert make(ref_reset_at_steps="8,2,4").ref_reset_at_steps == [2, 4, 8]
+    assert make(anchors_per_group=2).resolved_alpha == 0.5  # (G − 2) / G with G = 4
+
