@@ -284,3 +284,10 @@ def test_off_policy_ratio_uses_the_reference_as_old_policy_on_anchor_tokens(
     assert anchor.any()
     assert torch.equal(batch["old_per_token_logps"][anchor], batch["armor_ref_logps"][anchor])
     assert not torch.equal(batch["old_per_token_logps"][~anchor], batch["armor_ref_logps"][~anchor])
+
+
+def test_anchor_reward_funcs_must_name_reward_functions_of_the_trainer(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    with pytest.raises(ValueError, match=r"anchor_reward_funcs names \['length'\].*\['has_digit_reward'\]"):
+        make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, anchor_reward_funcs=["length"])
