@@ -200,32 +200,58 @@ def load_rlvr_dataset(
 
 
 # --- the synthetic task ------------------------------------------------------------------------------------------
-def arithmetic_problems(n: int, seed: int | str = 0, digits: int = 2, exclude: set[str] | None = None) -> list[tuple[str, str]]:
-    """``n`` distinct problems ``"a+b="`` → ``"a+b"`` with ``digits``-digit operands, deterministic for ``seed``."""
+def has_carry(a: int, b: int) -> bool:
+    """Whether the written addition of ``a`` and ``b`` carries in some column."""
+    while a or b:
+        if a % 10 + b % 10 >= 10:
+            return True
+        a, b = a // 10, b // 10
+    return False
+
+
+# Restrictions of the training problems only (``arithmetic_train_filter``); the held-out set is never filtered.
+# "no_carry" gives training a shortcut the held-out set punishes: every training answer is the column-wise digit
+# sum, so a policy that stops carrying loses no training reward, while most held-out problems need a carry.
+# "no_units_carry" is a milder one: only the ones column never carries (the tens column may, into a hundreds digit).
+ARITHMETIC_FILTERS = {"no_carry": lambda a, b: not has_carry(a, b),
+                      "no_units_carry": lambda a, b: a % 10 + b % 10 < 10}
+
+
+def arithmetic_problems(n: int, seed: int | str = 0, digits: int = 2, exclude: set[str] | None = None,
+                        keep=None) -> list[tuple[str, str]]:
+    """``n`` distinct problems ``"a+b="`` → ``"a+b"`` with ``digits``-digit operands, deterministic for ``seed``;
+    only pairs for which ``keep(a, b)`` is true when ``keep`` is given."""
     rng = random.Random(seed)
     low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
-    if n > (high - low + 1) ** 2 - len(exclude or ()):
+    pool = (high - low + 1) ** 2 if keep is None else sum(
+        keep(a, b) for a in range(low, high + 1) for b in range(low, high + 1))
+    if n > pool - len(exclude or ()):
         raise ValueError(f"cannot draw {n} distinct {digits}-digit problems")
     seen, problems = set(exclude or ()), []
     while len(problems) < n:
         a, b = rng.randint(low, high), rng.randint(low, high)
         prompt = f"{a}+{b}="
-        if prompt not in seen:
+        if prompt not in seen and (keep is None or keep(a, b)):
             seen.add(prompt)
             problems.append((prompt, str(a + b)))
     return problems
 
 
 def arithmetic_splits(
-    train_size: int, eval_size: int, seed: int = 0, digits: int = 2, chat: bool = False, system_prompt: str | None = None
+    train_size: int, eval_size: int, seed: int = 0, digits: int = 2, chat: bool = False, system_prompt: str | None = None,
+    train_filter: str | None = None,
 ) -> tuple[Dataset, Dataset]:
     """Disjoint train and held-out sets of the synthetic addition task, as ``prompt``/``answer`` datasets.
 
     The held-out set depends only on (``eval_size``, ``seed``, ``digits``): changing the training set's size
-    keeps the same held-out problems (and a larger training set extends a smaller one).
+    keeps the same held-out problems (and a larger training set extends a smaller one). ``train_filter`` (a key of
+    :data:`ARITHMETIC_FILTERS`) restricts the training problems only.
     """
+    if train_filter is not None and train_filter not in ARITHMETIC_FILTERS:
+        raise ValueError(f"Unknown arithmetic_train_filter {train_filter!r}: expected one of {sorted(ARITHMETIC_FILTERS)}.")
     held_out = arithmetic_problems(eval_size, seed, digits)
-    train = arithmetic_problems(train_size, f"{seed}-train", digits, exclude={p for p, _ in held_out})
+    train = arithmetic_problems(train_size, f"{seed}-train", digits, exclude={p for p, _ in held_out},
+                                keep=ARITHMETIC_FILTERS.get(train_filter))
 
     def to_dataset(rows):
         return Dataset.from_dict(

@@ -35,6 +35,10 @@ class DataArguments:
     arithmetic_eval_size: int = field(default=200, metadata={"help": "dataset 'arithmetic': held-out problems."})
     arithmetic_digits: int = field(default=2, metadata={"help": "dataset 'arithmetic': digits per operand."})
     arithmetic_seed: int = field(default=0, metadata={"help": "dataset 'arithmetic': seed of the problem draw."})
+    arithmetic_train_filter: str | None = field(
+        default=None, metadata={"help": "dataset 'arithmetic': restrict the training problems only; 'no_carry' = "
+                                "no column carries (a shortcut the held-out set punishes)."},
+    )
 
 
 @dataclass
@@ -235,7 +239,7 @@ def load_datasets(args: DataArguments, train_source: str | None, eval_source: st
         if source == "arithmetic":
             train, held_out = arithmetic_splits(args.arithmetic_train_size, args.arithmetic_eval_size,
                                                 args.arithmetic_seed, args.arithmetic_digits, args.chat,
-                                                args.system_prompt)
+                                                args.system_prompt, args.arithmetic_train_filter)
             dataset = train if split == "train" else held_out
             return dataset.select(range(min(limit, len(dataset)))) if limit else dataset
         return load_rlvr_dataset(source, split=split, name=name, schema=args.dataset_schema, chat=args.chat,

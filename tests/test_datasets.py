@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from datasets import Dataset
@@ -249,3 +250,35 @@ def test_arithmetic_task_is_deterministic_correct_and_disjoint():
     assert chat_train[0]["prompt"] == [{"role": "user", "content": train[0]["prompt"]}]
     with pytest.raises(ValueError, match="distinct"):
         arithmetic_problems(200, digits=1)
+
+
+def test_arithmetic_train_filter_restricts_training_problems_only():
+    from armor_trl.datasets import has_carry
+
+    assert not has_carry(12, 35) and has_carry(18, 35) and has_carry(52, 61) and not has_carry(0, 0)
+    _, plain_held_out = arithmetic_splits(16, 40, seed=1)
+    train, held_out = arithmetic_splits(64, 40, seed=1, train_filter="no_carry")
+    assert held_out["prompt"] == plain_held_out["prompt"]  # never filtered
+    assert not set(train["prompt"]) & set(held_out["prompt"]) and len(set(train["prompt"])) == 64
+    for prompt, answer in zip(train["prompt"], train["answer"]):
+        a, b = map(int, prompt.rstrip("=").split("+"))
+        assert not has_carry(a, b) and a + b == int(answer) < 100
+    assert any(has_carry(*map(int, p.rstrip("=").split("+"))) for p in held_out["prompt"])
+    units, _ = arithmetic_splits(64, 40, seed=1, train_filter="no_units_carry")
+    pairs = [tuple(map(int, p.rstrip("=").split("+"))) for p in units["prompt"]]
+    assert all(a % 10 + b % 10 < 10 for a, b in pairs) and any(a + b >= 100 for a, b in pairs)
+    with pytest.raises(ValueError, match="arithmetic_train_filter"):
+        arithmetic_splits(4, 4, train_filter="even")
+    with pytest.raises(ValueError, match="distinct"):  # 1-digit pairs without a carry: 55
+        arithmetic_problems(56, digits=1, keep=lambda a, b: not has_carry(a, b))
+
+
+def test_arithmetic_train_filter_from_a_recipe(tiny_model_path):
+    from armor_trl.recipe import parse_train_args, train_datasets
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "collapse_testbed.yaml"
+    script_args, _, _, _ = parse_train_args(["--config", str(config), "--model_name_or_path", tiny_model_path,
+                                             "--arithmetic_train_filter", "no_carry"])
+    train, held_out = train_datasets(script_args)
+    assert len(train) == 128 and len(held_out) == 1000
+    assert all(int(answer) < 100 for answer in train["answer"])

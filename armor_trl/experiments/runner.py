@@ -94,6 +94,8 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     warm = settings["warmup"]
     task = {k: recipe[k] for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
                                    "arithmetic_seed")}
+    if recipe.get("arithmetic_train_filter"):  # only when set, so earlier cached checkpoints keep their keys
+        task["arithmetic_train_filter"] = recipe["arithmetic_train_filter"]
     key = json.dumps({"model": settings["tiny_model"], "warmup": warm, "task": task}, sort_keys=True)
     path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (path / "warmup.json").is_file():
@@ -102,7 +104,8 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
         return str(path), json.loads((path / "warmup.json").read_text())
 
     rl_train, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],
-                                           task["arithmetic_seed"], task["arithmetic_digits"])
+                                           task["arithmetic_seed"], task["arithmetic_digits"],
+                                           train_filter=task.get("arithmetic_train_filter"))
     reserved = set(rl_train["prompt"]) | set(held_out["prompt"])
     problems = arithmetic_problems(warm["num_problems"] + warm["calibration_size"], warm["seed"],
                                    task["arithmetic_digits"], exclude=reserved)
