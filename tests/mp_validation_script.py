@@ -100,6 +100,10 @@ def main(argv=None):
     }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
+    # Tear the process group down in step on both processes: left to interpreter exit, a DeepSpeed/gloo run
+    # occasionally aborted one process ("terminate called without an active exception") after its work was done.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
