@@ -5,26 +5,12 @@ import torch
 from datasets import Dataset
 
 from armor_trl import ArmorConfig
-from armor_trl import trl_seam as seam
 from armor_trl.anchors import anchor_rows
 from armor_trl.column_anchors import ColumnAnchors, anchor_texts
 from armor_trl.reference import ReferencePolicy
 from conftest import cpu_args
+from test_anchor_cache import count_reference_rows
 from test_trainer import capture_rounds, logged, make_trainer
-
-
-def no_reference_generation(monkeypatch, trainer):
-    """Fail on any generation by the reference; return the list of reference generation calls (online phase)."""
-    calls = []
-    original = seam.generate
-
-    def recording(t, prompt_ids, num_generations):
-        if t.model_wrapped is trainer.reference.model:
-            calls.append(len(prompt_ids))
-        return original(t, prompt_ids, num_generations)
-
-    monkeypatch.setattr(seam, "generate", recording)
-    return calls
 
 
 def anchor_ids(tokenizer, text):
@@ -79,7 +65,7 @@ def test_column_anchor_fills_the_last_slot_without_reference_generation(chat, ti
     teacher = [f"{2 * i + 1}" for i in range(16)]  # a teacher trace per row (a string, not a list)
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, column_dataset(prompts, teacher), tmp_path,
                            anchor_source="column", max_steps=2)
-    calls = no_reference_generation(monkeypatch, trainer)
+    calls = count_reference_rows(monkeypatch, trainer)
     trainer.reference.model.generate = None  # any direct call would fail too
     rounds = capture_rounds(trainer)
     trainer.train()
@@ -102,7 +88,7 @@ def test_several_anchors_rotate_per_visit(tiny_model_path, tiny_tokenizer, tmp_p
     options = {"1+2=": ["3a", "3b", "3c"], "3+4=": ["7a", "7b"]}
     dataset = column_dataset(list(options) * 4, list(options.values()) * 4)
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, anchor_source="column", max_steps=6)
-    no_reference_generation(monkeypatch, trainer)
+    count_reference_rows(monkeypatch, trainer)
     rounds = capture_rounds(trainer)
     trainer.train()
     picked = {prompt: [] for prompt in options}
@@ -124,7 +110,7 @@ def test_unverified_and_empty_anchors_count_as_missing(tiny_model_path, tiny_tok
     dataset = column_dataset(["1+2=", "3+4=", "5+6="] * 4, [["3"], ["no"], []] * 4)
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, anchor_source="column",
                            anchor_filter="keep", per_device_train_batch_size=12, max_steps=1, shuffle_dataset=False)
-    no_reference_generation(monkeypatch, trainer)
+    count_reference_rows(monkeypatch, trainer)
     rounds = capture_rounds(trainer)
     trainer.train()
     out = rounds[0]
@@ -142,7 +128,7 @@ def test_after_a_reset_anchors_are_sampled_online(tiny_model_path, tiny_tokenize
     dataset = column_dataset(["1+2=", "3+4="] * 8, [["3"], ["7"]] * 8)
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, anchor_source="column",
                            ref_reset_steps=1, max_steps=3)
-    calls = no_reference_generation(monkeypatch, trainer)
+    calls = count_reference_rows(monkeypatch, trainer)
     trainer.train()
     assert calls == [2 * 4, 2 * 4]  # step 1 from the column; steps 2 and 3 after resets: K candidates per group
     assert len(logged(trainer, "armor/column_anchor_rejected_frac")) == 1
