@@ -12,7 +12,7 @@ from armor_trl.anchors import anchor_rows
 from armor_trl.cli import main
 from armor_trl.pregenerate import AnchorSettings, TransformersSampler, finalize, generate_shards, prepare_output
 from conftest import has_digit_reward
-from test_column_anchors import no_reference_generation
+from test_anchor_cache import count_reference_rows
 from test_trainer import capture_rounds, logged, make_trainer
 
 
@@ -110,7 +110,7 @@ def test_chat_prompts_pregenerated_then_trained_on(chat_dataset, tiny_model_path
     assert train["prompt"] == dataset["prompt"]
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, train, tmp_path / "run", anchor_source="column",
                            anchor_filter="keep", max_steps=2)
-    calls = no_reference_generation(monkeypatch, trainer)
+    calls = count_reference_rows(monkeypatch, trainer)
     rounds = capture_rounds(trainer)
     trainer.train()
     assert calls == []
