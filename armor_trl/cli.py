@@ -315,15 +315,16 @@ def demo_main(argv: list[str]) -> int:
     from .experiments import demo
 
     parser = argparse.ArgumentParser(prog="armor-trl demo", description=demo.__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=1, help="Repeat over this many seeds (mean ± std).")
+    parser.add_argument("--seeds", type=int, default=demo.SEEDS, help=f"Seeds per method (default {demo.SEEDS}).")
+    parser.add_argument("--workers", type=int, default=None, help="Parallel runs (default: one per CPU core).")
     parser.add_argument("--smoke", action="store_true", help="A tiny version that runs in seconds (for tests).")
-    parser.add_argument("--config", default=None, help="Recipe (default: configs/tiny_demo.yaml).")
+    parser.add_argument("--config", default=None, help="Recipe (default: configs/collapse_testbed.yaml).")
     parser.add_argument("--output_dir", default="results/demo",
-                        help="Results go to a fresh run-<time> folder inside (earlier runs are never overwritten); "
-                        "the warm-started model is cached in <output_dir>/cache.")
+                        help="Results go to <output_dir>/<recipe name> (rerunning reuses its finished runs); the "
+                        "warm-started model is cached in <output_dir>/cache.")
     args = parser.parse_args(argv)
     try:
-        demo.run_demo(args.config, args.output_dir, seeds=args.seeds, smoke=args.smoke)
+        demo.run_demo(args.config, args.output_dir, seeds=args.seeds, smoke=args.smoke, workers=args.workers)
     except (ValueError, FileExistsError) as error:
         print(f"armor-trl demo: error: {error}", file=sys.stderr)
         return 2
@@ -370,7 +371,8 @@ USAGE = """usage: armor-trl {train,eval,demo,study,anchors} ...
           e.g. armor-trl eval --model PATH --dataset gsm8k --split test --k 8
   anchors pre-generate verified anchors from the reference (then train with --anchor_source column
           --anchors_dataset DIR), e.g. armor-trl anchors --config recipe.yaml --output anchors/ --num_candidates 8
-  demo    the offline CPU demo: GRPO vs GRPO+KL vs GRPO at lower lr vs ARMOR on a tiny model ([--seeds N] [--smoke])
+  demo    the offline CPU demo: GRPO collapsing on a tiny model vs GRPO+KL, GRPO at lower lr and ARMOR, 3 seeds
+          (the collapse testbed as a study, ~8 min on 2 cores; [--seeds N] [--smoke])
   study   arms x seeds of one recipe (configs/study/arms.yaml), resumable, paired bootstrap CIs and plots
           e.g. armor-trl study --arms grpo,grpo_small_lr,armor --seeds 5 [--workers 2] [--out results/study/x]
 

@@ -32,6 +32,36 @@ def test_run_metrics_and_auc_by_hand():
     assert stats.mean_std([0.5, 0.7]) == pytest.approx({"mean": 0.6, "std": 0.1414214, "n": 2})
 
 
+def test_collapse_criterion():
+    rising = [(s, r) for s, r in zip(range(10), [0.5] * 5 + [0.9] * 5)]
+    falling = [(s, r) for s, r in zip(range(10), [0.9] * 5 + [0.5] * 5)]
+    val = [(0, 0.45), (50, 0.52), (100, 0.41)]  # 0.11 below the peak, below the start
+    assert stats.run_metrics(val, rising)["collapsed"] is True
+    assert stats.run_metrics(val, falling)["collapsed"] is False  # training reward fell too: not the failure
+    assert stats.run_metrics([(0, 0.45), (50, 0.52), (100, 0.43)], rising)["collapsed"] is False  # drop 0.09
+    assert stats.run_metrics([(0, 0.40), (50, 0.52), (100, 0.41)], rising)["collapsed"] is False  # above start
+    assert stats.run_metrics(val, [])["collapsed"] is None
+
+
+def test_reference_accuracy_is_the_validation_at_the_step_its_weights_come_from():
+    val = [(0, 0.45), (50, 0.52), (100, 0.47), (150, 0.40)]
+    # static until a reset at 100 (validated), then one at 125 (not validated)
+    weights = [(25, 0), (75, 0), (100, 100), (125, 125), (150, 125)]
+    ref = stats.reference_accuracy(val, weights)
+    assert ref["curve"] == [(25, 0.45), (75, 0.45), (100, 0.47)]
+    assert ref["sources"] == [0, 100, 125] and ref["unmeasured"] == [125]
+    # a rollback (collapse guard): π_ref holds the best checkpoint's weights from step 50 on
+    assert stats.reference_accuracy(val, [(100, 50), (150, 50)])["curve"] == [(100, 0.52), (150, 0.52)]
+    summary = study.summarize({"armor": {0: {"val": val, "train": [], "kl_reverse": [], "kl_forward": [],
+                                             "anchors_found": [], "ref_weights_step": weights, "val_key": "val/avg@4",
+                                             "val_problems": 10, "val_samples": 4}}}, resamples=10)
+    assert summary["table"]["armor"]["ref_val_end"]["mean"] == 0.47
+    assert summary["table"]["armor"]["ref_unmeasured_steps"] == [125]
+    assert "not validated" in study.format_summary({**summary, "arms": ["armor"], "seeds": [0], "recipe": "r",
+                                                    "model": "m", "smoke": False, "runs_executed": 0, "workers": 1,
+                                                    "wall_time_s": 0.0})
+
+
 def _exact_bootstrap(values, level=0.95):
     """Quantiles of the bootstrap distribution itself: every equally likely resample of the values, enumerated;
     the q-quantile is the smallest mean m with P(mean ≤ m) ≥ q."""
@@ -132,7 +162,7 @@ def test_smoke_study_files_resume_and_statistics(tmp_path, capsys):
     assert _study(out) == 0
     names = ["armor-seed0.jsonl", "armor-seed1.jsonl", "grpo-seed0.jsonl", "grpo-seed1.jsonl"]
     assert sorted(p.name for p in (out / "metrics").iterdir()) == names
-    for png in ("curves.png", "kl.png"):
+    for png in ("curves.png", "kl.png", "reference.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## Paired differences: arm − grpo" in (out / "summary.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
@@ -151,6 +181,11 @@ def test_smoke_study_files_resume_and_statistics(tmp_path, capsys):
         statistics.fmean(curves["armor", s]["val"][-1][1] for s in (0, 1)))
     armor_records = [json.loads(line) for line in (out / "metrics" / "armor-seed0.jsonl").read_text().splitlines()]
     assert any("armor/kl_reverse_policy" in r for r in armor_records)
+    # a static reference holds the warm model (step 0): its accuracy is that run's step-0 validation
+    assert {r["armor/ref_weights_step"] for r in armor_records if "armor/ref_weights_step" in r} == {0}
+    start = statistics.fmean(curves["armor", s]["val"][0][1] for s in (0, 1))
+    assert summary["table"]["armor"]["ref_val_end"]["mean"] == pytest.approx(start)
+    assert summary["table"]["grpo"]["ref_val_end"] is None
     assert {r["arm"] for r in armor_records} == {"armor"}
 
     # resume: a finished study runs nothing; a deleted result is the only run re-executed

@@ -228,7 +228,8 @@ def read_curves(metrics_file: Path) -> dict:
     """Validation accuracy (the held-out set's avg@k), on-policy training reward and the KL metrics of one run.
 
     Training reward: ``armor/policy_reward_mean`` (on-policy samples only) where logged, else TRL's ``reward``.
-    Reverse KL: ``armor/kl_reverse_policy``, else TRL's ``kl`` (logged with β > 0)."""
+    Reverse KL: ``armor/kl_reverse_policy``, else TRL's ``kl`` (logged with β > 0). ``ref_weights_step``: the step
+    whose policy weights π_ref held at each logged step (ARMOR runs)."""
     records = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
     val_key = next((k for r in records for k in r if k.startswith(VAL_KEY_PREFIX)), None)
     if val_key is None:
@@ -240,6 +241,7 @@ def read_curves(metrics_file: Path) -> dict:
         "kl_reverse": series(records, "armor/kl_reverse_policy", "kl"),
         "kl_forward": series(records, "armor/kl_forward_anchor"),
         "anchors_found": [v for _, v in series(records, "armor/anchor_found_frac")],
+        "ref_weights_step": series(records, "armor/ref_weights_step"),
         "val_problems": records[0].get("val_problems"),
         "val_samples": records[0].get("val_samples"),
     }

@@ -16,6 +16,8 @@ import numpy as np
 METRICS = ("start", "peak", "peak_step", "final", "min_after_peak", "auc", "final_train_reward")
 COMPARED = ("final", "auc", "min_after_peak", "peak", "final_train_reward")  # paired comparisons, in this order
 TRAIN_TAIL = 0.1  # final training reward: mean of the last 10% of logged values (one step's reward is noisy)
+COLLAPSE_DROP = 0.10  # issue 11's criterion: validation ends this far below its peak, and below its start,
+# while the training reward rose (mean of the last 10% of logged values above the mean of the first 10%)
 
 
 def auc(curve: list[tuple[int, float]]) -> float:
@@ -28,13 +30,20 @@ def auc(curve: list[tuple[int, float]]) -> float:
 
 
 def run_metrics(val: list[tuple[int, float]], train: list[tuple[int, float]]) -> dict:
-    """The summary numbers of one run (the peak is the first maximum; ``final_train_reward`` is None without
-    training rewards)."""
+    """The summary numbers of one run (the peak is the first maximum; ``final_train_reward`` and ``collapsed`` are
+    None without training rewards). ``collapsed``: the final validation is at least :data:`COLLAPSE_DROP` below the
+    peak and below the start while the training reward rose."""
     if not val:
         raise ValueError("a run without validation points has no summary")
     values = [v for _, v in val]
     peak_index = values.index(max(values))
-    tail = [v for _, v in train][-max(1, math.ceil(len(train) * TRAIN_TAIL)):] if train else []
+    rewards = [v for _, v in train]
+    tail_size = max(1, math.ceil(len(train) * TRAIN_TAIL))
+    tail, head = rewards[-tail_size:], rewards[:tail_size]
+    collapsed = None
+    if rewards:
+        collapsed = (values[-1] <= values[peak_index] - COLLAPSE_DROP and values[-1] < values[0]
+                     and statistics.fmean(tail) > statistics.fmean(head))
     return {
         "start": values[0],
         "peak": values[peak_index],
@@ -43,7 +52,23 @@ def run_metrics(val: list[tuple[int, float]], train: list[tuple[int, float]]) ->
         "min_after_peak": min(values[peak_index:]),
         "auc": auc(val),
         "final_train_reward": statistics.fmean(tail) if tail else None,
+        "collapsed": collapsed,
     }
+
+
+def reference_accuracy(val: list[tuple[int, float]], weights_steps: list[tuple[int, float]]) -> dict:
+    """The validation accuracy of π_ref itself over a run: π_ref holds the policy weights of some earlier step (the
+    start, a reset, a rolled-back checkpoint), so its accuracy is the policy's validation at that step — the same
+    weights, evaluated then. ``curve``: (step, that accuracy) at each logged step whose source step was validated;
+    ``unmeasured``: source steps without a validation (resets between validations)."""
+    accuracy = dict(val)
+    curve, unmeasured = [], set()
+    for step, source in weights_steps:
+        if int(source) in accuracy:
+            curve.append((step, accuracy[int(source)]))
+        else:
+            unmeasured.add(int(source))
+    return {"curve": curve, "sources": sorted({int(s) for _, s in weights_steps}), "unmeasured": sorted(unmeasured)}
 
 
 def mean_std(values: list[float]) -> dict | None:

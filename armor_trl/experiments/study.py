@@ -83,11 +83,11 @@ def _check_resume(out: Path, plan: dict) -> None:
     earlier = json.loads(record.read_text())
     for key in ("recipe", "smoke_overrides", "model"):
         if earlier.get(key) != plan[key]:
-            raise ValueError(f"{out} holds a study with a different {key}; use another --out.")
+            raise ValueError(f"{out} holds a study with a different {key}; use another study folder (--out; the demo's --output_dir).")
     for name, overrides in plan["arms"].items():
         if name in earlier["arms"] and earlier["arms"][name] != overrides:
             raise ValueError(f"{out} ran arm {name!r} with overrides {earlier['arms'][name]}, now {overrides}; "
-                             "rename the arm or use another --out.")
+                             "rename the arm or use another study folder (--out; the demo's --output_dir).")
     earlier["arms"].update(plan["arms"])
     record.write_text(json.dumps(earlier, indent=2))
 
@@ -108,8 +108,9 @@ def _run_job(job: dict) -> tuple[str, int, float]:
 # --- the study -------------------------------------------------------------------------------------------------
 def run_study(config: str | None = None, arms: list[str] | None = None, seeds: int | None = None,
               workers: int | None = None, out: str | None = None, smoke: bool = False,
-              arms_file: str | None = None, resamples: int = 10_000) -> Path:
-    """Run the missing runs of arms × seeds, then summarise every finished one; return the study folder."""
+              arms_file: str | None = None, resamples: int = 10_000, verbose: bool = True) -> Path:
+    """Run the missing runs of arms × seeds, then summarise every finished one (printed with ``verbose``); return
+    the study folder."""
     from tqdm.auto import tqdm
 
     go_offline()
@@ -176,7 +177,8 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.md").write_text(format_summary(summary))
     plot_study(curves, out)
-    print(f"\n{format_summary(summary)}\nResults in {out}")
+    if verbose:
+        print(f"\n{format_summary(summary)}\nResults in {out}")
     return out
 
 
@@ -190,6 +192,13 @@ def summarize(curves: dict, resamples: int = 10_000) -> dict:
         table[arm] = {m: stats.mean_std([r[m] for r in runs.values()]) for m in stats.METRICS}
         found = [sum(c["anchors_found"]) / len(c["anchors_found"]) for c in curves[arm].values() if c["anchors_found"]]
         table[arm]["anchors_found"] = stats.mean_std(found)
+        judged = [r["collapsed"] for r in runs.values() if r["collapsed"] is not None]
+        table[arm]["collapsed"] = {"count": sum(judged), "n": len(judged)} if judged else None
+        references = [stats.reference_accuracy(c["val"], c["ref_weights_step"]) for c in curves[arm].values()]
+        table[arm]["ref_val_end"] = stats.mean_std([r["curve"][-1][1] for r in references if r["curve"]])
+        unmeasured = sorted({s for r in references for s in r["unmeasured"]})
+        if unmeasured:
+            table[arm]["ref_unmeasured_steps"] = unmeasured
     comparisons = {}
     for base in BASELINES:
         if base not in curves:
@@ -213,21 +222,33 @@ def summarize(curves: dict, resamples: int = 10_000) -> dict:
 def _cell(value: dict | None, digits: int = 3) -> str:
     if value is None:
         return "–"
+    if "count" in value:
+        return f"{value['count']}/{value['n']}"
     text = f"{value['mean']:.{digits}f}"
     return text + (f" ± {value['std']:.{digits}f}" if value["n"] > 1 else "")
 
 
 def format_summary(summary: dict) -> str:
     ev = summary["evaluation"]
-    columns = [*stats.METRICS, "anchors_found"]
+    columns = [*stats.METRICS, "anchors_found", "ref_val_end", "collapsed"]
     lines = [f"# Study: {', '.join(summary['arms'])} × seeds {summary['seeds']}", "",
              f"Recipe `{summary['recipe']}`{' (smoke)' if summary['smoke'] else ''}, model `{summary['model']}`. "
              f"Validation: {ev['metric']} on {ev['problems']} held-out problems × {ev['samples']} samples. "
              "Mean ± sample std over seeds; `auc` = area under the validation curve / step span (trapezoid rule); "
-             "`final_train_reward` = mean of the last 10% of logged on-policy rewards.", "",
+             "`final_train_reward` = mean of the last 10% of logged on-policy rewards; `collapsed` = seeds whose final "
+             f"validation is ≥ {stats.COLLAPSE_DROP} below its peak and below its start while training reward rose; "
+             "`ref_val_end` = held-out accuracy of the π_ref in use at the end (the run's validation at the step whose "
+             "weights π_ref holds; reference.png plots it over the run).",
+             "",
              "| arm | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
     for arm, row in summary["table"].items():
         lines.append(f"| {arm} | " + " | ".join(_cell(row[c], 0 if c == "peak_step" else 3) for c in columns) + " |")
+    for arm, row in summary["table"].items():
+        if row.get("ref_unmeasured_steps"):
+            steps = row["ref_unmeasured_steps"]
+            lines += ["", f"{arm}: π_ref held the weights of step(s) {steps[:8]}{' …' if len(steps) > 8 else ''}, "
+                      "which were not validated, so its accuracy there is not in `ref_val_end` or reference.png "
+                      "(validate at the reset steps: val_every_steps dividing ref_reset_steps)."]
     noise = []
     if "se_binomial" in ev:
         noise.append(f"sampling standard error of one evaluation ≤ {ev['se_binomial']:.4f} (sqrt(p(1−p)/(N·k)) at "
@@ -272,18 +293,23 @@ def _band(runs: list[list[tuple[int, float]]], smooth: int = 1):
 
 def plot_study(curves: dict, out: Path, smooth: int = 5) -> None:
     """curves.png: validation accuracy and training reward per arm; kl.png: reverse KL(π_θ‖π_ref) on on-policy
-    samples and forward KL(π_ref‖π_θ) on anchors. Mean over seeds with a ±1 std band."""
+    samples and forward KL(π_ref‖π_θ) on anchors; reference.png: the policy's validation accuracy next to that of
+    the π_ref in use (:func:`stats.reference_accuracy`). Mean over seeds with a ±1 std band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     colors = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20")
+    curves = {arm: {seed: {**c, "ref_val": stats.reference_accuracy(c["val"], c["ref_weights_step"])["curve"]}
+                    for seed, c in runs.items()} for arm, runs in curves.items()}
     for filename, panels in (
         ("curves.png", [("val", "held-out validation accuracy", 1), ("train", f"training reward (on-policy, "
                                                                              f"mean of {smooth} logs)", smooth)]),
         ("kl.png", [("kl_reverse", "reverse KL(π_θ‖π_ref), on-policy samples", smooth),
                     ("kl_forward", "forward KL(π_ref‖π_θ), anchors", smooth)]),
+        ("reference.png", [("val", "policy π_θ: held-out validation accuracy", 1),
+                           ("ref_val", "reference π_ref in use: its held-out accuracy", 1)]),
     ):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
         for ax, (key, title, window) in zip(axes, panels):
