@@ -156,20 +156,21 @@ class CollapseGuard(TrainerCallback):
                 f"{what}, but the best checkpoint {checkpoint} is missing, so ARMOR cannot start from it. Keep "
                 "checkpoints (save_total_limit with metric_for_best_model = the watched metric keeps the best one)."
             )
-        switch_to_armor(self.trainer, checkpoint, state.global_step)
+        switch_to_armor(self.trainer, checkpoint, state.global_step, self.steps[best])
         logger.warning(f"{what}: ARMOR starts at step {state.global_step} from {checkpoint} (policy and π_ref = its "
                        "weights, optimizer state from it)")
         Trainer.log(self.trainer, {"collapse_guard/fired": 1.0, "armor/stage": 1.0})
 
 
-def switch_to_armor(trainer, checkpoint: str, step: int) -> None:
-    """Stage 2 of the protocol: the policy gets ``checkpoint``'s weights and optimizer state, π_ref becomes an exact
-    copy of them, and ARMOR acts from optimizer step ``step`` on (α decay and reset schedules count from there)."""
+def switch_to_armor(trainer, checkpoint: str, step: int, checkpoint_step: int | None = None) -> None:
+    """Stage 2 of the protocol: the policy gets ``checkpoint``'s weights (saved after optimizer step
+    ``checkpoint_step``) and optimizer state, π_ref becomes an exact copy of them, and ARMOR acts from optimizer step
+    ``step`` on (α decay and reset schedules count from there)."""
     trainer._load_from_checkpoint(checkpoint)
     optimizer_file = os.path.join(checkpoint, "optimizer.pt")
     if os.path.isfile(optimizer_file):
         state = torch.load(optimizer_file, map_location=trainer.args.device, weights_only=True)
         trainer.optimizer.load_state_dict(state)
-    trainer.reference.reset(trainer._unwrapped_policy(), step)
+    trainer.reference.reset(trainer._unwrapped_policy(), step, weights_step=checkpoint_step)
     trainer.armor_started_at = step
     seam.discard_rollouts(trainer)  # the buffered rollouts came from the collapsed policy

@@ -126,6 +126,9 @@ class ReferencePolicy:
         self.last_reset_step = 0
         # optimizer step after which π_ref was last made equal to the policy (None: never, e.g. a given ref_model)
         self.synced_step: int | None = None
+        # optimizer step of this run whose policy weights π_ref holds (differs from synced_step after a rollback, e.g.
+        # the collapse guard's); with validation at that step it gives the reference's own accuracy. None: unknown
+        self.weights_step: int | None = None
 
     # --- build -------------------------------------------------------------------------------------------------
     @classmethod
@@ -149,7 +152,7 @@ class ReferencePolicy:
         for param in adapter_parameters(peft_model, REF_ADAPTER).values():
             param.requires_grad_(False)
         reference.copy_from(peft_model)
-        reference.synced_step = 0
+        reference.synced_step = reference.weights_step = 0
         return reference
 
     # --- reset -------------------------------------------------------------------------------------------------
@@ -202,11 +205,14 @@ class ReferencePolicy:
         """Make the reference an exact copy of ``policy`` (the unwrapped policy model)."""
         copy_parameters(self._pairs(policy))
 
-    def reset(self, policy: nn.Module, step: int) -> None:
+    def reset(self, policy: nn.Module, step: int, weights_step: int | None = None) -> None:
+        """π_ref ← ``policy`` after optimizer step ``step``; ``weights_step``: the step whose weights the policy
+        holds, when it was rolled back to an earlier checkpoint (default ``step``)."""
         self.copy_from(policy)
         self.resets += 1
         self.last_reset_step = step
         self.synced_step = step
+        self.weights_step = step if weights_step is None else weights_step
 
     def equals_policy_at(self, step: int) -> bool:
         """True when π_ref is known to equal the policy after optimizer step ``step`` (no update since a copy)."""
@@ -249,6 +255,7 @@ class ReferencePolicy:
             "resets": self.resets,
             "last_reset_step": self.last_reset_step,
             "synced_step": self.synced_step,
+            "weights_step": self.weights_step,
             **extra,
         }
         temporary = os.path.join(directory, STATE_FILE + ".tmp")
@@ -298,6 +305,7 @@ class ReferencePolicy:
         self.resets = state["resets"]
         self.last_reset_step = state["last_reset_step"]
         self.synced_step = state.get("synced_step")
+        self.weights_step = state.get("weights_step")
         return state
 
 

@@ -175,7 +175,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         else:
             self.reference = ReferencePolicy.full(self._build_reference_model(ref_model, ref_copy, quantization_config))
             if ref_model is None:
-                self.reference.synced_step = 0  # a copy of the initial policy
+                self.reference.synced_step = self.reference.weights_step = 0  # a copy of the initial policy
         self.add_callback(
             ReferenceResetCallback(
                 self.reference, self._unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until,
@@ -693,6 +693,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
             output["old_per_token_logps"] = torch.where(is_anchor.unsqueeze(1), output["armor_ref_logps"], old)
         output["armor_is_anchor"] = is_anchor
         seam.log_metric(self, "armor/ref_resets", self.reference.resets)
+        if self.reference.weights_step is not None:
+            seam.log_metric(self, "armor/ref_weights_step", self.reference.weights_step)
         return output
 
     def _log_anchor_metrics(self) -> None:

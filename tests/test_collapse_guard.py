@@ -123,6 +123,9 @@ def test_armor_action_switches_stages_at_the_collapse(tiny_model_path, tiny_toke
     reference = dict(trainer.reference.model.named_parameters())
     assert max_abs_difference(best, reference) == 0.0
     assert any(not torch.equal(snapshot.at[4][n], best[n]) for n in best)  # the weights did move after step 2
+    # π_ref holds step 2's weights: logged so that its accuracy is read from step 2's validation
+    held = {e["step"]: e["armor/ref_weights_step"] for e in trainer.state.log_history if "armor/ref_weights_step" in e}
+    assert held and set(held) > {6} and all(held[s] == 2 for s in held if s > 5)
     # logged as an event, once
     events = [e for e in trainer.state.log_history if "collapse_guard/fired" in e]
     assert [(e["step"], e["armor/stage"]) for e in events] == [(5, 1.0)]
@@ -166,6 +169,7 @@ def test_resume_after_the_switch_continues_in_armor_mode_with_the_same_reference
     assert max((reference[n] - expected[n]).abs().max().item() for n in expected) == 0.0
     best = load_file(str(tmp_path / "run" / "checkpoint-2" / "model.safetensors"))
     assert max_abs_difference(best, reference) == 0.0
+    assert resumed.reference.weights_step == 2  # restored from the checkpoint, not the resume step
     assert not any("collapse_guard/fired" in e for e in resumed.state.log_history if e["step"] > 6)
 
 
