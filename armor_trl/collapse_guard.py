@@ -4,6 +4,8 @@ The paper's protocol (ARMOR.md) is: train DAPO, watch validation, take the best 
 continue from it with ARMOR, that checkpoint also being the initial reference. With ``collapse_guard="armor"`` one run
 does it: ARMOR is dormant (plain GRPO/DAPO) until :func:`collapse_detected` says so, then :meth:`CollapseGuard._fire`
 loads the best checkpoint's weights and optimizer state into the policy, resets π_ref to them and starts ARMOR.
+``collapse_guard="rollback"`` is its control: the same rollback, then the run's own method goes on (without it, a gain
+of the protocol cannot be told apart from the gain of restarting at the best checkpoint).
 
 The rule (:func:`collapse_detected`), over the validations so far: s_i the watched score, r_i the mean training reward
 logged since the previous validation, b the first validation with the highest score. The guard fires at validation n
@@ -101,9 +103,10 @@ class CollapseGuard(TrainerCallback):
     # --- events --------------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self.trainer
-        if self.action == "armor" and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+        if self.action != "stop" and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
             raise ValueError(
-                "collapse_guard='armor' cannot load the best checkpoint into a DeepSpeed or FSDP engine mid-run yet. "
+                f"collapse_guard={self.action!r} cannot load the best checkpoint into a DeepSpeed or FSDP engine mid-run "
+                "yet. "
                 "Run stage 1 with collapse_guard='stop', then start ARMOR from its best checkpoint "
                 "(armor-trl train ... --resume_best_as_reference <run dir>)."
             )
@@ -153,24 +156,35 @@ class CollapseGuard(TrainerCallback):
             return
         if not os.path.isdir(checkpoint):
             raise ValueError(
-                f"{what}, but the best checkpoint {checkpoint} is missing, so ARMOR cannot start from it. Keep "
+                f"{what}, but the best checkpoint {checkpoint} is missing, so training cannot go on from it. Keep "
                 "checkpoints (save_total_limit with metric_for_best_model = the watched metric keeps the best one)."
             )
+        if self.action == "rollback":
+            roll_back(self.trainer, checkpoint)
+            logger.warning(f"{what}: training goes on at step {state.global_step} from {checkpoint} (its weights and "
+                           "optimizer state), with the same method")
+            Trainer.log(self.trainer, {"collapse_guard/fired": 1.0})
+            return
         switch_to_armor(self.trainer, checkpoint, state.global_step, self.steps[best])
         logger.warning(f"{what}: ARMOR starts at step {state.global_step} from {checkpoint} (policy and π_ref = its "
                        "weights, optimizer state from it)")
         Trainer.log(self.trainer, {"collapse_guard/fired": 1.0, "armor/stage": 1.0})
 
 
-def switch_to_armor(trainer, checkpoint: str, step: int, checkpoint_step: int | None = None) -> None:
-    """Stage 2 of the protocol: the policy gets ``checkpoint``'s weights (saved after optimizer step
-    ``checkpoint_step``) and optimizer state, π_ref becomes an exact copy of them, and ARMOR acts from optimizer step
-    ``step`` on (α decay and reset schedules count from there)."""
+def roll_back(trainer, checkpoint: str) -> None:
+    """The policy gets ``checkpoint``'s weights and optimizer state; buffered rollouts of the collapsed policy go."""
     trainer._load_from_checkpoint(checkpoint)
     optimizer_file = os.path.join(checkpoint, "optimizer.pt")
     if os.path.isfile(optimizer_file):
         state = torch.load(optimizer_file, map_location=trainer.args.device, weights_only=True)
         trainer.optimizer.load_state_dict(state)
+    seam.discard_rollouts(trainer)
+
+
+def switch_to_armor(trainer, checkpoint: str, step: int, checkpoint_step: int | None = None) -> None:
+    """Stage 2 of the protocol: the policy gets ``checkpoint``'s weights (saved after optimizer step
+    ``checkpoint_step``) and optimizer state, π_ref becomes an exact copy of them, and ARMOR acts from optimizer step
+    ``step`` on (α decay and reset schedules count from there)."""
+    roll_back(trainer, checkpoint)
     trainer.reference.reset(trainer._unwrapped_policy(), step, weights_step=checkpoint_step)
     trainer.armor_started_at = step
-    seam.discard_rollouts(trainer)  # the buffered rollouts came from the collapsed policy

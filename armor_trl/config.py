@@ -11,7 +11,7 @@ from .mixture import default_alpha
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ANCHOR_FILTERS = ("drop", "keep")
 ANCHOR_SELECTIONS = ("correct", "any", "incorrect")
-COLLAPSE_GUARD_ACTIONS = ("stop", "armor")
+COLLAPSE_GUARD_ACTIONS = ("stop", "armor", "rollback")
 ANCHOR_SOURCES = ("reference", "column")
 
 
@@ -266,14 +266,16 @@ class ArmorConfig(GRPOConfig):
             "help": "Watch validation for a collapse and act: None = off; 'stop' = end training (the best checkpoint "
             "is kept and named in the log); 'armor' = train plain GRPO/DAPO (both ARMOR switches dormant) until the "
             "collapse, then load the best checkpoint's weights into the policy, make them the reference and switch "
-            "ARMOR on (anchors and mixed ratio as configured; α, τ and the other step counts restart at the switch). "
+            "ARMOR on (anchors and mixed ratio as configured; α, τ and the other step counts restart at the switch); "
+            "'rollback' = load the best checkpoint's weights and optimizer state and go on with the run's own method "
+            "(the control for 'armor': the same rollback without ARMOR). "
             "Rule: with s_i the validation scores (`collapse_guard_metric`), b the first best validation and r_i the "
             "mean training reward logged since the previous validation, the guard fires at validation n when each of "
             "the last `collapse_guard_patience` validations (all after b) has s_b − s_i ≥ `collapse_guard_drop` and "
             "the mean of their r_i is ≥ r_b (training reward has not fallen; not checked where unknown). Fires once "
             "per run. Needs a ValidationCallback attached (val_every_steps in the CLI); every new best validation "
             "forces a checkpoint.",
-            "choices": ["stop", "armor"],
+            "choices": list(COLLAPSE_GUARD_ACTIONS),
         },
     )
     collapse_guard_metric: str | None = field(

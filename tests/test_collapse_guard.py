@@ -144,6 +144,27 @@ def test_stop_action_ends_training_and_names_the_best_checkpoint(tiny_model_path
     assert [e["step"] for e in trainer.state.log_history if "collapse_guard/fired" in e] == [5]
 
 
+def test_rollback_action_restores_the_best_checkpoint_and_keeps_the_method(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    trainer = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, action="rollback", use_anchors=False,
+                      use_mixed_ratio=False)
+    assert trainer.reference is None
+    rounds = capture_rounds(trainer)
+    snapshot = Snapshot(trainer)
+    trainer.add_callback(snapshot)
+    trainer.train()
+    fired = trainer.collapse_guard.fired
+    assert (fired["step"], fired["best_step"], fired["action"]) == (5, 2, "rollback")
+    assert trainer.state.global_step == 7  # training goes on
+    best = load_file(str(tmp_path / "checkpoint-2" / "model.safetensors"))
+    assert max(((best[n] - snapshot.at[5][n]).abs().max().item() for n in best)) == 0.0  # step 6 starts from step 2
+    assert any(not torch.equal(snapshot.at[4][n], best[n]) for n in best)
+    assert not any("armor_is_anchor" in r for r in rounds)  # still plain GRPO: no anchors after the rollback
+    events = [e for e in trainer.state.log_history if "collapse_guard/fired" in e]
+    assert [e["step"] for e in events] == [5] and "armor/stage" not in events[0]
+
+
 def test_resume_after_the_switch_continues_in_armor_mode_with_the_same_reference(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
