@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench clean wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,21 @@ bench: $(STAMP)
 # The offline CPU demo (GRPO, GRPO+KL, GRPO at lr×(G−1)/G, ARMOR on a tiny model, a few minutes); results in results/demo/run-*/.
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/armor-trl demo
+
+# Wheels for a GPU machine without network (docs/gpu_study.md): armor-trl and what such an image lacks (trl,
+# datasets, math-verify, ...; the list is in scripts/wheelhouse.py) at this venv's versions, in $(WHEELHOUSE)/; fails
+# over $(WHEELHOUSE_MAX_MIB) MiB. WHEELHOUSE_EXTRA='name==version ...' adds wheels (Linux x86_64, CPython 3.11-3.13).
+WHEELHOUSE ?= wheelhouse
+WHEELHOUSE_MAX_MIB ?= 60
+WHEELHOUSE_EXTRA ?=
+wheelhouse: $(STAMP)
+	$(BIN)/python scripts/wheelhouse.py build --dest $(WHEELHOUSE) --max_mib $(WHEELHOUSE_MAX_MIB) \
+		$(if $(strip $(WHEELHOUSE_EXTRA)),--extra $(WHEELHOUSE_EXTRA))
+
+# Opt-in, not in CI (needs the package index, a few minutes): installs from the wheelhouse alone (--no-index) into
+# a scratch venv holding only the GPU image's packages, then imports armor_trl, trl, math_verify, runs armor-trl --help.
+wheelhouse-check: wheelhouse
+	$(BIN)/python scripts/wheelhouse.py check --wheelhouse $(WHEELHOUSE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
