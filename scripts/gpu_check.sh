@@ -15,7 +15,7 @@ args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheelhouse)
-      [ $# -ge 2 ] || { echo "gpu_check.sh: error: --wheelhouse needs a folder (built by make wheelhouse)" >&2; exit 2; }
+      [ $# -ge 2 ] || { echo "gpu_check.sh: error: --wheelhouse needs a folder (make wheelhouse)" >&2; exit 2; }
       wheelhouse=$2; shift 2 ;;
     --wheelhouse=*) wheelhouse=${1#*=}; shift ;;
     *) args+=("$1"); shift ;;
@@ -24,7 +24,7 @@ done
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
 if [ -n "$wheelhouse" ]; then
   "$PYTHON" scripts/wheelhouse.py install "$wheelhouse"
-elif ! "$PYTHON" -c "import sys; sys.path.insert(0, 'scripts'); from wheelhouse import missing_modules; sys.exit(bool(missing_modules()))"; then
+elif ! "$PYTHON" scripts/wheelhouse.py missing; then
   "$PYTHON" -m pip install --quiet -e ".[test]" >/dev/null || {
     echo "gpu_check.sh: error: pip install from the network failed; on a machine without network build a wheelhouse" \
          "with \`make wheelhouse\` elsewhere, copy it with the repository and pass --wheelhouse wheelhouse" >&2; exit 1; }

@@ -206,6 +206,7 @@ def _write_recipe(recipe: dict, path: Path) -> None:
 def format_plan(plan: dict, resolved: dict | None, dry_run: bool) -> str:
     r, train, test = plan["recipe"], plan["train"], plan["test"]
     samples = r.get("val_num_samples") or r.get("val_k", 4)
+    per_step = r.get("per_device_train_batch_size", 8) * r.get("gradient_accumulation_steps", 1)
     lines = ["GPU study plan" + (" (dry run: nothing loaded, trained or written)" if dry_run else ""),
              f"  recipe:   {plan['config']}",
              f"  model:    {r['model_name_or_path']}",
@@ -213,9 +214,8 @@ def format_plan(plan: dict, resolved: dict | None, dry_run: bool) -> str:
              f"(answer format {train['answer_format']})",
              f"  held-out: {test['path']}: {test['used']} of {test['rows']} problems x {samples} samples, "
              f"validated every {r.get('val_every_steps')} steps and at step 0",
-             f"  steps:    {r.get('max_steps')} per run, {r.get('per_device_train_batch_size', 8) * r.get('gradient_accumulation_steps', 1)}"
-             f" completions per step ({r.get('num_generations')} per prompt, <= {r.get('max_completion_length')} "
-             "tokens)"]
+             f"  steps:    {r.get('max_steps')} per run, {per_step} completions per step "
+             f"({r.get('num_generations')} per prompt, <= {r.get('max_completion_length')} tokens)"]
     for name, data in (("train", train), ("held-out", test)):
         if data["wanted"] and data["used"] < data["wanted"]:
             lines.append(f"  note:     the {name} file holds {data['used']} problems, the recipe asks for "

@@ -4,6 +4,7 @@
     python scripts/wheelhouse.py build [--dest wheelhouse] [--extra NAME==VERSION ...]   (make wheelhouse)
     python scripts/wheelhouse.py check [--wheelhouse wheelhouse]                          (make wheelhouse-check)
     python scripts/wheelhouse.py install DIR                                              (scripts/gpu_*.sh)
+    python scripts/wheelhouse.py missing          (exit 1 naming the modules this Python cannot import)
 
 The GPU machines this is for have torch, transformers, peft, accelerate and the usual scientific stack (numpy,
 pandas, pyarrow, matplotlib, ...: :data:`IMAGE`), no network and no trl. ``build`` downloads :data:`WHEELS` (and
@@ -209,12 +210,18 @@ def main(argv=None) -> int:
     c.add_argument("--keep", default=None, help="build the scratch venv here and keep it")
     i = sub.add_parser("install", help="pip install --no-index --find-links DIR armor-trl")
     i.add_argument("wheelhouse")
+    sub.add_parser("missing", help="exit 1, naming them, if modules the project needs are not importable")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
             build(args.dest, args.extra, args.max_mib)
         elif args.command == "check":
             check(args.wheelhouse, args.pin, args.keep)
+        elif args.command == "missing":
+            missing = missing_modules()
+            if missing:
+                print(f"not importable: {', '.join(missing)}")
+            return int(bool(missing))
         else:
             install(args.wheelhouse, flag="wheelhouse")
     except WheelhouseError as error:

@@ -6,6 +6,7 @@ needs beyond the GPU image, its size limit, and gpu_check.sh handing --wheelhous
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -13,10 +14,11 @@ from importlib.metadata import PackageNotFoundError, requires
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from test_datasets import GSM8K_ROWS, write_jsonl, write_parquet
+from test_datasets import GSM8K_ROWS, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_TEST = REPO / "tests" / "fixtures" / "gsm8k_test_late_numbers.jsonl"  # 3 GSM8K test rows
@@ -98,6 +100,33 @@ def test_dry_run_counts_finished_runs(files, no_install, capsys):
     assert "8 (4 arms x 2 seeds), 7 to run, 1 already finished; 7 at once" in capsys.readouterr().out
 
 
+def test_the_study_itself_on_the_cpu(files, tmp_path, no_install, monkeypatch, capsys):
+    """The path a GPU run takes after its checks, on the CPU: a variant of the recipe (`base:`, CPU sizes), CUDA's
+    check stood in for; the recipe run_study reads holds the local paths, the study writes its files, a rerun
+    skips the finished runs."""
+    variant = tmp_path / "cpu.yaml"
+    variant.write_text(f"base: {REPO / 'configs' / 'gpu_study_gsm8k.yaml'}\nbf16: false\nuse_cpu: true\n"
+                       "dtype: float32\nmax_steps: 2\nval_every_steps: 1\nmax_completion_length: 6\n"
+                       "val_max_new_tokens: 6\nper_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n"
+                       "num_generations: 4\nval_batch_size: 8\n")
+    monkeypatch.setattr(gpu_study, "check_cuda", lambda: {"gpu": "none (test)", "gpus": 0})
+    args = argv(files, "--config", str(variant), "--arms", "grpo,armor", "--seeds", "1", "--workers", "1")
+    assert gpu_study.main(args) == 0, capsys.readouterr().err
+    out = Path(files["out"])
+    recipe = yaml.safe_load((out / "gpu_study_recipe.yaml").read_text())
+    assert (recipe["model_name_or_path"], recipe["dataset_name"], recipe["eval_dataset_name"]) == (
+        str(Path(files["model"]).resolve()), str(Path(files["train"]).resolve()), str(GSM8K_TEST))
+    assert {p.name for p in (out / "metrics").iterdir()} == {"grpo-seed0.jsonl", "armor-seed0.jsonl"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runs_executed"] == 2 and summary["evaluation"]["problems"] == 3
+    assert json.loads((out / "environment.json").read_text())["gpu"] == "none (test)"
+    assert (out / "summary.md").is_file() and (out / "curves.png").is_file()
+    capsys.readouterr()
+    assert gpu_study.main(args) == 0  # resumed: nothing left to run
+    assert "2 already finished" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["runs_executed"] == 0
+
+
 # --- bad input -----------------------------------------------------------------------------------------------------
 def _write(path: Path, text: str) -> str:
     path.write_text(text)
@@ -129,7 +158,8 @@ def test_bad_input_fails_naming_the_flag(case, message, files, tmp_path, no_inst
                "model_without_weights": ("--model", paths["configonly"]),
                "missing_train": ("--train", paths["missing"]), "train_is_a_folder": ("--train", paths["empty"]),
                "empty_test": ("--test", paths["emptyfile"]), "missing_test": ("--test", paths["missing"]),
-               "train_of_another_schema": ("--train", paths["other"]), "train_not_a_data_file": ("--train", paths["text"]),
+               "train_of_another_schema": ("--train", paths["other"]),
+               "train_not_a_data_file": ("--train", paths["text"]),
                "unknown_arm": ("--arms", "grpo,nope"), "missing_config": ("--config", paths["missing"])}
     flag, value = changes[case]
     args = argv(files, "--dry_run")
@@ -210,7 +240,7 @@ def test_a_wheelhouse_is_installed_with_no_index(pip_exit, files, tmp_path, env,
         assert "WHEELHOUSE_EXTRA" in captured.err and "GPU study plan" not in captured.out
 
 
-# --- the wheelhouse's contents -----------------------------------------------------------------------------------------
+# --- the wheelhouse's contents ---------------------------------------------------------------------------------
 def _closure(names) -> set[str]:
     """Installed distributions ``names`` need, transitively (base requirements for this Python, no extras)."""
     seen, todo = set(), [canonicalize_name(n) for n in names]
@@ -277,14 +307,15 @@ def test_makefile_target_and_gitignore():
 
 
 # --- gpu_check.sh hands --wheelhouse to the installer ---------------------------------------------------------------
-@pytest.mark.parametrize("how", ["flag", "flag=", "env", "none"])
+@pytest.mark.parametrize("how", ["flag", "flag=", "env", "none", "none_missing"])
 def test_gpu_check_installs_from_the_wheelhouse(how, tmp_path):
     log = tmp_path / "calls"
-    fake = tmp_path / "python"  # records its arguments; no vllm
-    fake.write_text('#!/usr/bin/env bash\necho "$*" >> "$LOG"\ncase "$*" in *"import vllm"*) exit 1;; esac\n')
+    fake = tmp_path / "python"  # records its arguments; no vllm; with MISSING set, a module is missing
+    fake.write_text('#!/usr/bin/env bash\necho "$*" >> "$LOG"\ncase "$*" in *"import vllm"*) exit 1;; '
+                    '*"wheelhouse.py missing"*) [ -z "$MISSING" ];; esac\n')
     fake.chmod(0o755)
-    args = {"flag": ["--wheelhouse", "/w"], "flag=": ["--wheelhouse=/w"], "env": [], "none": []}[how]
-    env = {**os.environ, "PYTHON": str(fake), "LOG": str(log)}
+    args = {"flag": ["--wheelhouse", "/w"], "flag=": ["--wheelhouse=/w"]}.get(how, [])
+    env = {**os.environ, "PYTHON": str(fake), "LOG": str(log), "MISSING": "1" if how == "none_missing" else ""}
     env.pop("ARMOR_WHEELHOUSE", None)
     if how == "env":
         env["ARMOR_WHEELHOUSE"] = "/w"
@@ -293,5 +324,7 @@ def test_gpu_check_installs_from_the_wheelhouse(how, tmp_path):
     assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
     assert "scripts/gpu_check.py --steps 2" in calls  # without --wheelhouse
-    assert ("scripts/wheelhouse.py install /w" in calls) == (how != "none")
-    assert not any("pip install" in c for c in calls)  # the fake has every module: nothing from the network
+    assert ("scripts/wheelhouse.py install /w" in calls) == how.startswith(("flag", "env"))
+    assert ("scripts/wheelhouse.py missing" in calls) == how.startswith("none")
+    # from the network only without a wheelhouse and with a module missing (the old behaviour)
+    assert ('-m pip install --quiet -e .[test]' in calls) == (how == "none_missing")
