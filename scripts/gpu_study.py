@@ -7,7 +7,8 @@ Model and data come from local paths only (no network: the hub is switched off).
 what the machine lacks are installed from that folder (`make wheelhouse`) with pip --no-index first. The study
 itself is armor_trl.experiments.study.run_study on the recipe (configs/gpu_study_gsm8k.yaml by default) with the
 paths filled in, written to <out>/gpu_study_recipe.yaml; it writes what `armor-trl study` writes (summary.md,
-summary.json, curves.png, kl.png, metrics/<arm>-seed<s>.jsonl) plus environment.json (GPU, versions). A rerun of
+summary.json, curves.png, kl.png, metrics/<arm>-seed<s>.jsonl) plus environment.jsonl (GPU, versions; a line per
+start). A rerun of
 the same command skips finished runs. --dry_run checks everything (arguments, paths, CUDA aside, the data's
 schema, the recipe, every arm parsed as `armor-trl train` would) without loading weights, prints the plan and
 writes nothing.
@@ -177,11 +178,24 @@ def make_plan(args) -> dict:
     test = _rows("--test", paths["eval_dataset_name"], recipe, recipe.get("max_eval_samples"))
     runs = len(chosen) * seeds
     out = Path(args.out)
+    _check_same_study(out, recipe)
     done = [f"{a}-seed{s}" for s in range(seed0, seed0 + seeds) for a in chosen
             if study.metrics_path(out, a, s).is_file()]
     return {"config": config_path, "recipe": recipe, "arms": chosen, "seeds": list(range(seed0, seed0 + seeds)),
             "train": train, "test": test, "runs": runs, "done": done, "out": str(out),
             "workers": args.workers or min(MAX_WORKERS, max(1, runs - len(done))), "study": study}
+
+
+def _check_same_study(out: Path, recipe: dict) -> None:
+    """Before anything is written to --out: a folder holding a study of another recipe (or other model or data
+    paths) is not reused (run_study would refuse it too, after this script had overwritten its recipe file)."""
+    import yaml
+
+    record = out / "study.json"
+    if record.is_file():
+        earlier = json.loads(record.read_text()).get("recipe")
+        if earlier != json.loads(json.dumps(yaml.safe_load(yaml.safe_dump(recipe)))):  # as run_study records it
+            raise InputError(f"--out {out}: holds a study of another recipe, model or data; use another --out.")
 
 
 def check_arms(plan: dict) -> dict:
@@ -229,7 +243,7 @@ def format_plan(plan: dict, resolved: dict | None, dry_run: bool) -> str:
               + (f", {len(plan['done'])} already finished" if plan["done"] else "")
               + f"; {plan['workers']} at once on the GPU",
               f"  output:   {plan['out']} (summary.md/.json, curves.png, kl.png, metrics/<arm>-seed<s>.jsonl, "
-              "environment.json)"]
+              "environment.jsonl)"]
     return "\n".join(lines)
 
 
@@ -263,7 +277,8 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         recipe_file = out / "gpu_study_recipe.yaml"
         _write_recipe(plan["recipe"], recipe_file)
-        (out / "environment.json").write_text(json.dumps(environment(cuda), indent=2))
+        with open(out / "environment.jsonl", "a") as f:  # one line per start: a resumed study keeps the first
+            f.write(json.dumps(environment(cuda)) + "\n")
         start = time.time()
         try:
             plan["study"].run_study(str(recipe_file), list(plan["arms"]), len(plan["seeds"]), plan["workers"],

@@ -119,12 +119,20 @@ def test_the_study_itself_on_the_cpu(files, tmp_path, no_install, monkeypatch, c
     assert {p.name for p in (out / "metrics").iterdir()} == {"grpo-seed0.jsonl", "armor-seed0.jsonl"}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs_executed"] == 2 and summary["evaluation"]["problems"] == 3
-    assert json.loads((out / "environment.json").read_text())["gpu"] == "none (test)"
+    assert json.loads((out / "environment.jsonl").read_text())["gpu"] == "none (test)"
     assert (out / "summary.md").is_file() and (out / "curves.png").is_file()
     capsys.readouterr()
     assert gpu_study.main(args) == 0  # resumed: nothing left to run
     assert "2 already finished" in capsys.readouterr().out
     assert json.loads((out / "summary.json").read_text())["runs_executed"] == 0
+    assert len((out / "environment.jsonl").read_text().splitlines()) == 2  # one line per start, none overwritten
+    written = (out / "gpu_study_recipe.yaml").read_text()
+    other = tmp_path / "other.jsonl"
+    other.write_text(GSM8K_TEST.read_text())
+    args[args.index("--test") + 1] = str(other)  # other data, same folder: refused before anything is written
+    assert gpu_study.main(args) == 2
+    assert f"--out {out}: holds a study of another recipe, model or data" in capsys.readouterr().err
+    assert (out / "gpu_study_recipe.yaml").read_text() == written
 
 
 # --- bad input -----------------------------------------------------------------------------------------------------
