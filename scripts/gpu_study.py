@@ -199,8 +199,8 @@ def _check_same_study(out: Path, recipe: dict) -> None:
 
 
 def check_arms(plan: dict) -> dict:
-    """Every arm parsed as `armor-trl train` would, without weights. bf16 needs a GPU to parse, so on a machine
-    without one the recipe is checked as a dry run (as `armor-trl train --dry_run` does)."""
+    """Every arm's resolved overrides, each parsed as `armor-trl train` would, without weights. The recipe is
+    checked as a dry run, so that bf16 parses on a machine without a GPU (as `armor-trl train --dry_run` does)."""
     with tempfile.TemporaryDirectory(prefix="gpu-study-") as tmp:
         recipe_file = Path(tmp) / "recipe.yaml"
         _write_recipe({**plan["recipe"], "dry_run": True}, recipe_file)
@@ -217,7 +217,7 @@ def _write_recipe(recipe: dict, path: Path) -> None:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
 
 
-def format_plan(plan: dict, resolved: dict | None, dry_run: bool) -> str:
+def format_plan(plan: dict, resolved: dict, dry_run: bool) -> str:
     r, train, test = plan["recipe"], plan["train"], plan["test"]
     samples = r.get("val_num_samples") or r.get("val_k", 4)
     per_step = r.get("per_device_train_batch_size", 8) * r.get("gradient_accumulation_steps", 1)
@@ -235,7 +235,7 @@ def format_plan(plan: dict, resolved: dict | None, dry_run: bool) -> str:
             lines.append(f"  note:     the {name} file holds {data['used']} problems, the recipe asks for "
                          f"{data['wanted']}")
     lines.append(f"  arms:     {len(plan['arms'])}")
-    for arm, overrides in (resolved or plan["arms"]).items():
+    for arm, overrides in resolved.items():
         lines.append(f"    {arm}: {json.dumps(overrides)}")
     pending = plan["runs"] - len(plan["done"])
     lines += [f"  seeds:    {plan['seeds']}",
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         except WheelhouseError as error:
             raise EnvironmentProblem(str(error)) from error
         plan = make_plan(args)
-        resolved = check_arms(plan) if args.dry_run else None  # a real run: run_study checks them itself
+        resolved = check_arms(plan)  # before anything is written (run_study checks them again)
         print(format_plan(plan, resolved, args.dry_run), flush=True)
         if args.dry_run:
             return 0
@@ -277,14 +277,11 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         recipe_file = out / "gpu_study_recipe.yaml"
         _write_recipe(plan["recipe"], recipe_file)
-        with open(out / "environment.jsonl", "a") as f:  # one line per start: a resumed study keeps the first
+        with open(out / "environment.jsonl", "a") as f:  # a line per start: a resumed study keeps every record
             f.write(json.dumps(environment(cuda)) + "\n")
         start = time.time()
-        try:
-            plan["study"].run_study(str(recipe_file), list(plan["arms"]), len(plan["seeds"]), plan["workers"],
-                                    str(out), arms_file=str(ARMS_FILE))
-        except ValueError as error:  # e.g. --out holds a study of another recipe
-            raise InputError(str(error)) from error
+        plan["study"].run_study(str(recipe_file), list(plan["arms"]), len(plan["seeds"]), plan["workers"], str(out),
+                                arms_file=str(ARMS_FILE))
         print(f"gpu_study: {time.time() - start:.0f} s for the study (without install and checks); results in {out}")
         return 0
     except InputError as error:
