@@ -153,7 +153,8 @@ def build(dest: str | os.PathLike, extra=(), max_mib: float = MAX_MIB, python_ve
     if total > max_mib:
         largest = sorted(dest.glob("*.whl"), key=lambda p: p.stat().st_size, reverse=True)[:3]
         raise WheelhouseError(f"{dest} is {total:.1f} MiB, over the {max_mib:g} MiB limit; largest: "
-                              + ", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)" for p in largest))
+                              + ", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)" for p in largest)
+                              + ". Fewer --extra wheels, or only the GPU machine's CPython (WHEELHOUSE_PYTHONS).")
     return dest
 
 
@@ -204,6 +205,9 @@ def main(argv=None) -> int:
     b.add_argument("--extra", nargs="*", default=[], help="more NAME==VERSION wheels (Linux x86_64, CPython "
                    f"{'/'.join(PYTHON_VERSIONS)}), e.g. a pyarrow the GPU image lacks")
     b.add_argument("--max_mib", type=float, default=MAX_MIB)
+    b.add_argument("--python_versions", nargs="+", default=list(PYTHON_VERSIONS),
+                   help="CPython versions to fetch version-specific wheels for (default: %(default)s); one version "
+                   "keeps a large --extra (pyarrow: 52 MiB per version) under the limit")
     c = sub.add_parser("check", help="install from the wheelhouse alone into a scratch venv holding only the image")
     c.add_argument("--wheelhouse", default="wheelhouse")
     c.add_argument("--pin", nargs="*", default=[], help="NAME==VERSION of an image package (default: this venv's)")
@@ -214,7 +218,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
-            build(args.dest, args.extra, args.max_mib)
+            build(args.dest, args.extra, args.max_mib, args.python_versions)
         elif args.command == "check":
             check(args.wheelhouse, args.pin, args.keep)
         elif args.command == "missing":
