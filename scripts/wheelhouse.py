@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     b.add_argument("--max_mib", type=float, default=MAX_MIB)
     b.add_argument("--python_versions", nargs="+", default=list(PYTHON_VERSIONS),
                    help="CPython versions to fetch version-specific wheels for (default: %(default)s); one version "
-                   "keeps a large --extra (pyarrow: 52 MiB per version) under the limit")
+                   "keeps a large --extra (pyarrow: 52.5 MiB per version) under the limit")
     c = sub.add_parser("check", help="install from the wheelhouse alone into a scratch venv holding only the image")
     c.add_argument("--wheelhouse", default="wheelhouse")
     c.add_argument("--pin", nargs="*", default=[], help="NAME==VERSION of an image package (default: this venv's)")
