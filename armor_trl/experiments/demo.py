@@ -22,7 +22,7 @@ SEEDS = 3
 LABELS = {"grpo": "GRPO (β=0)", "grpo_kl_0.1": "GRPO + KL (β=0.1)", "grpo_small_lr": "GRPO, lr × α",
           "armor": "ARMOR"}
 FULL_STUDY = ("docs/evidence.md", "armor-trl study --config configs/collapse_testbed.yaml "
-              "--arms grpo,grpo_small_lr,grpo_kl_0.1,armor,guard_armor --seeds 5")
+              "--arms grpo,grpo_small_lr,grpo_kl_0.1,armor,armor_reset_50,guard_armor,guard_grpo --seeds 5")
 COLUMNS = ("start", "peak", "final", "min_after_peak", "auc", "final_train_reward", "collapsed")
 
 
