@@ -343,12 +343,14 @@ def study_main(argv: list[str]) -> int:
                         "the same command there resumes it, skipping finished runs.")
     parser.add_argument("--arms_file", default=None, help="Arm definitions (default: configs/study/arms.yaml).")
     parser.add_argument("--resamples", type=int, default=10_000, help="Bootstrap resamples of the paired CIs.")
+    parser.add_argument("--baselines", default=None, help="Comma-separated arms every other arm is paired with "
+                        f"(default: {','.join(study.BASELINES)}; those that ran).")
     parser.add_argument("--smoke", action="store_true", help="The recipe's demo.smoke settings: runs in seconds.")
     args = parser.parse_args(argv)
+    names = lambda text: [a.strip() for a in text.split(",") if a.strip()] if text else None  # noqa: E731
     try:
-        arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
-        study.run_study(args.config, arms, args.seeds, args.workers, args.out, args.smoke, args.arms_file,
-                        args.resamples)
+        study.run_study(args.config, names(args.arms), args.seeds, args.workers, args.out, args.smoke, args.arms_file,
+                        args.resamples, baselines=names(args.baselines))
     except (ValueError, FileExistsError) as error:
         print(f"armor-trl study: error: {error}", file=sys.stderr)
         return 2

@@ -97,6 +97,15 @@ def guarded(tiny_model_path, tiny_tokenizer, dataset, output_dir, action="armor"
     return trainer
 
 
+def train_recording(trainer):
+    """Train; return the generation rounds and a Snapshot of the policy at the start of every step."""
+    rounds = capture_rounds(trainer)
+    snapshot = Snapshot(trainer)
+    trainer.add_callback(snapshot)
+    trainer.train()
+    return rounds, snapshot
+
+
 def max_abs_difference(tensors, named):
     return max((tensors[name] - named[name].detach().cpu()).abs().max().item() for name in tensors)
 
@@ -104,10 +113,7 @@ def max_abs_difference(tensors, named):
 def test_armor_action_switches_stages_at_the_collapse(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     trainer = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
     assert trainer.reference is not None and not trainer.armor_active  # dormant: plain GRPO until the collapse
-    rounds = capture_rounds(trainer)
-    snapshot = Snapshot(trainer)
-    trainer.add_callback(snapshot)
-    trainer.train()
+    rounds, snapshot = train_recording(trainer)
 
     fired = trainer.collapse_guard.fired
     assert (fired["step"], fired["best_step"], fired["action"]) == (5, 2, "armor")
@@ -150,10 +156,7 @@ def test_rollback_action_restores_the_best_checkpoint_and_keeps_the_method(
     trainer = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, action="rollback", use_anchors=False,
                       use_mixed_ratio=False)
     assert trainer.reference is None
-    rounds = capture_rounds(trainer)
-    snapshot = Snapshot(trainer)
-    trainer.add_callback(snapshot)
-    trainer.train()
+    rounds, snapshot = train_recording(trainer)
     fired = trainer.collapse_guard.fired
     assert (fired["step"], fired["best_step"], fired["action"]) == (5, 2, "rollback")
     assert trainer.state.global_step == 7  # training goes on

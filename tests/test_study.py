@@ -198,6 +198,14 @@ def test_smoke_study_files_resume_and_statistics(tmp_path, capsys):
     assert (out / "metrics" / "armor-seed1.jsonl").is_file()
     assert {n: (out / "metrics" / n).stat().st_mtime_ns for n in kept} == kept
 
+    # other baselines: the summary pairs grpo with armor; an unknown baseline is refused
+    assert _study(out, "--baselines", "armor") == 0
+    comparisons = json.loads((out / "summary.json").read_text())["comparisons"]
+    assert list(comparisons) == ["armor"] and comparisons["armor"]["grpo"]["metrics"]["final"]["diffs"] == pytest.approx(
+        [-d for d in direct])
+    capsys.readouterr()
+    assert _study(out, "--baselines", "grpo,nope") == 2 and "nope" in capsys.readouterr().err
+
     # the folder refuses a changed definition of an arm it already ran
     arms_file = tmp_path / "arms.yaml"
     arms_file.write_text("arms: {grpo: {method: grpo, beta: 0.2}, armor: {method: armor}}\n")

@@ -25,7 +25,7 @@ from .runner import (go_offline, override_flags, quiet_single_thread, read_curve
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIGS / "tiny_demo.yaml"
 DEFAULT_ARMS_FILE = CONFIGS / "study" / "arms.yaml"
-BASELINES = ("grpo", "grpo_small_lr")  # every other arm is compared with these, where they ran
+BASELINES = ("grpo", "grpo_small_lr")  # default: every other arm is compared with these, where they ran
 STUDY_KEYS = ("arms", "default_arms", "seeds")  # the recipe's `study:` section
 DEFAULT_SEEDS = 3
 
@@ -108,15 +108,19 @@ def _run_job(job: dict) -> tuple[str, int, float]:
 # --- the study -------------------------------------------------------------------------------------------------
 def run_study(config: str | None = None, arms: list[str] | None = None, seeds: int | None = None,
               workers: int | None = None, out: str | None = None, smoke: bool = False,
-              arms_file: str | None = None, resamples: int = 10_000, verbose: bool = True) -> Path:
-    """Run the missing runs of arms × seeds, then summarise every finished one (printed with ``verbose``); return
-    the study folder."""
+              arms_file: str | None = None, resamples: int = 10_000, verbose: bool = True,
+              baselines: list[str] | None = None) -> Path:
+    """Run the missing runs of arms × seeds, then summarise every finished one (printed with ``verbose``), each arm
+    paired with each of ``baselines`` (default :data:`BASELINES`) that ran; return the study folder."""
     from tqdm.auto import tqdm
 
     go_offline()
     config_path, recipe = read_recipe(config or DEFAULT_CONFIG)
     all_arms, default_arms = load_arms(recipe, arms_file)
     chosen = select_arms(all_arms, arms or default_arms)
+    if baselines is not None and set(baselines) - set(all_arms):
+        raise ValueError(f"Unknown baseline arm(s) {sorted(set(baselines) - set(all_arms))}; known arms: "
+                         f"{', '.join(all_arms)}.")
     seeds = seeds if seeds is not None else (recipe.get("study") or {}).get("seeds", DEFAULT_SEEDS)
     if not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"--seeds must be an integer >= 1, got {seeds!r}")
@@ -170,7 +174,7 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
                         future.cancel()
                     raise
     curves = {arm: {seed: read_curves(metrics_path(out, arm, seed)) for seed in seed_list} for arm in chosen}
-    summary = summarize(curves, resamples)
+    summary = summarize(curves, resamples, BASELINES if baselines is None else baselines)
     summary.update({"recipe": config_path, "out": str(out), "model": model_path, "warmup": warmup, "smoke": smoke,
                     "arms": chosen, "seeds": seed_list, "runs_executed": len(pending),
                     "wall_time_s": time.time() - start, "workers": workers})
@@ -183,7 +187,7 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
 
 
 # --- the summary -------------------------------------------------------------------------------------------------
-def summarize(curves: dict, resamples: int = 10_000) -> dict:
+def summarize(curves: dict, resamples: int = 10_000, baselines=BASELINES) -> dict:
     """Per-run metrics, per-arm mean ± std, paired comparisons with the baselines and one evaluation's noise."""
     per_run = {arm: {seed: stats.run_metrics(c["val"], c["train"]) for seed, c in runs.items()}
                for arm, runs in curves.items()}
@@ -200,7 +204,7 @@ def summarize(curves: dict, resamples: int = 10_000) -> dict:
         if unmeasured:
             table[arm]["ref_unmeasured_steps"] = unmeasured
     comparisons = {}
-    for base in BASELINES:
+    for base in baselines:
         if base not in curves:
             continue
         comparisons[base] = {arm: stats.paired_comparison(curves[arm], curves[base], resamples)
