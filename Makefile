@@ -25,7 +25,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
 
-# The offline CPU demo (GRPO, GRPO+KL, GRPO at lr×(G−1)/G, ARMOR on a tiny model, a few minutes); results in results/demo/run-*/.
+# The offline CPU demo: the collapse testbed, GRPO / GRPO+KL / GRPO at lr×(G−1)/G / ARMOR × 3 seeds (~8 min on 2 cores,
+# set-up included); results in results/demo/collapse_testbed/ (a rerun reuses finished runs).
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/armor-trl demo
 
