@@ -105,8 +105,8 @@ class CollapseGuard(TrainerCallback):
         trainer = self.trainer
         if self.action != "stop" and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
             raise ValueError(
-                f"collapse_guard={self.action!r} cannot load the best checkpoint into a DeepSpeed or FSDP engine mid-run "
-                "yet. "
+                f"collapse_guard={self.action!r} cannot load the best checkpoint into a DeepSpeed or FSDP engine "
+                "mid-run yet. "
                 "Run stage 1 with collapse_guard='stop', then start ARMOR from its best checkpoint "
                 "(armor-trl train ... --resume_best_as_reference <run dir>)."
             )

@@ -201,8 +201,8 @@ def test_smoke_study_files_resume_and_statistics(tmp_path, capsys):
     # other baselines: the summary pairs grpo with armor; an unknown baseline is refused
     assert _study(out, "--baselines", "armor") == 0
     comparisons = json.loads((out / "summary.json").read_text())["comparisons"]
-    assert list(comparisons) == ["armor"] and comparisons["armor"]["grpo"]["metrics"]["final"]["diffs"] == pytest.approx(
-        [-d for d in direct])
+    assert list(comparisons) == ["armor"]
+    assert comparisons["armor"]["grpo"]["metrics"]["final"]["diffs"] == pytest.approx([-d for d in direct])
     capsys.readouterr()
     assert _study(out, "--baselines", "grpo,nope") == 2 and "nope" in capsys.readouterr().err
 

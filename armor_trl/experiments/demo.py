@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import study
+from . import stats, study
 
 DEFAULT_CONFIG = study.CONFIGS / "collapse_testbed.yaml"
 ARMS = ("grpo", "grpo_kl_0.1", "grpo_small_lr", "armor")
@@ -65,8 +65,8 @@ def format_demo(summary: dict) -> str:
         if parts:
             lines += ["", f"Paired difference vs {LABELS.get(base, base)} (same seed), 95% bootstrap CI:", *parts]
     if "se_binomial" in ev:
-        lines += ["", f"One evaluation's sampling standard error ≤ {ev['se_binomial']:.4f}. `collapsed`: final ≥ 0.10 "
-                  "below the peak and below the start while training reward rose."]
+        lines += ["", f"One evaluation's sampling standard error ≤ {ev['se_binomial']:.4f}. `collapsed`: final "
+                  f"≥ {stats.COLLAPSE_DROP} below the peak and below the start while training reward rose."]
     lines += ["", f"Details (every paired metric, plots with bands): {out}/summary.md, {out}/curves.png, kl.png, "
               "reference.png",
               f"The full study (5 seeds, more arms, verdict): {FULL_STUDY[0]} — rerun with `{FULL_STUDY[1]}`",

@@ -83,7 +83,8 @@ def _check_resume(out: Path, plan: dict) -> None:
     earlier = json.loads(record.read_text())
     for key in ("recipe", "smoke_overrides", "model"):
         if earlier.get(key) != plan[key]:
-            raise ValueError(f"{out} holds a study with a different {key}; use another study folder (--out; the demo's --output_dir).")
+            raise ValueError(f"{out} holds a study with a different {key}; use another study folder (--out; the "
+                             "demo's --output_dir).")
     for name, overrides in plan["arms"].items():
         if name in earlier["arms"] and earlier["arms"][name] != overrides:
             raise ValueError(f"{out} ran arm {name!r} with overrides {earlier['arms'][name]}, now {overrides}; "
@@ -241,8 +242,8 @@ def format_summary(summary: dict) -> str:
              "Mean ± sample std over seeds; `auc` = area under the validation curve / step span (trapezoid rule); "
              "`final_train_reward` = mean of the last 10% of logged on-policy rewards; `collapsed` = seeds whose final "
              f"validation is ≥ {stats.COLLAPSE_DROP} below its peak and below its start while training reward rose; "
-             "`ref_val_end` = held-out accuracy of the π_ref in use at the end (the run's validation at the step whose "
-             "weights π_ref holds; reference.png plots it over the run).",
+             "`ref_val_end` = held-out accuracy of the π_ref in use at the end (the run's validation at the step "
+             "whose weights π_ref holds; reference.png plots it over the run).",
              "",
              "| arm | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
     for arm, row in summary["table"].items():
