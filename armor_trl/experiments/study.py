@@ -22,7 +22,10 @@ from . import stats
 from .runner import (go_offline, override_flags, quiet_single_thread, read_curves, read_recipe, resolve_overrides,
                      smoke_version, train_run, warm_start)
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# the repository's configs/ (a clone or an editable install), else the copy a wheel ships as armor_trl/configs
+CONFIGS = next((path for path in (Path(__file__).resolve().parents[2] / "configs",
+                                  Path(__file__).resolve().parents[1] / "configs") if path.is_dir()),
+               Path(__file__).resolve().parents[2] / "configs")
 DEFAULT_CONFIG = CONFIGS / "tiny_demo.yaml"
 DEFAULT_ARMS_FILE = CONFIGS / "study" / "arms.yaml"
 BASELINES = ("grpo", "grpo_small_lr")  # default: every other arm is compared with these, where they ran
