@@ -32,7 +32,7 @@ sys.path.insert(1, str(REPO / "scripts"))
 from wheelhouse import WheelhouseError, ensure_dependencies  # noqa: E402  (standard library only)
 
 DEFAULT_CONFIG = REPO / "configs" / "gpu_study_gsm8k.yaml"
-ARMS_FILE = REPO / "configs" / "study" / "arms.yaml"  # explicit: an installed wheel would not find it by itself
+ARMS_FILE = REPO / "configs" / "study" / "arms.yaml"  # explicit: this checkout's arms, whichever wheel is installed
 DEFAULT_OUT = "results/gpu_study"
 MAX_WORKERS = 8  # runs at once on the one GPU: ~10-12 GB each by the recipe's estimate, ~100 GB of 141
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
