@@ -190,8 +190,11 @@ def test_smoke_study_files_resume_and_statistics(tmp_path, capsys):
 
     # resume: a finished study runs nothing; a deleted result is the only run re-executed
     kept = {n: (out / "metrics" / n).stat().st_mtime_ns for n in names if n != "armor-seed1.jsonl"}
+    run_time = sum(json.loads((out / "metrics" / n).read_text().splitlines()[0])["run_wall_time_s"] for n in names)
+    assert summary["run_time_s"] == pytest.approx(run_time) and run_time > 0
     assert _study(out) == 0
-    assert json.loads((out / "summary.json").read_text())["runs_executed"] == 0
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["runs_executed"] == 0 and resumed["run_time_s"] == pytest.approx(run_time)  # kept on a resume
     (out / "metrics" / "armor-seed1.jsonl").unlink()
     assert _study(out) == 0
     assert json.loads((out / "summary.json").read_text())["runs_executed"] == 1

@@ -203,7 +203,7 @@ def train_run(config_path: str, overrides: dict, seed: int, model_path: str, out
     metrics_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = metrics_file.with_name(f".{metrics_file.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        for record in [{**validation[0], **size}] + history:
+        for record in [{**validation[0], **size, "run_wall_time_s": wall}] + history:
             f.write(json.dumps({**tags, **record}) + "\n")
     os.replace(tmp, metrics_file)
     return {"history": history, "validation": validation, "wall_time": wall}
@@ -244,4 +244,5 @@ def read_curves(metrics_file: Path) -> dict:
         "ref_weights_step": series(records, "armor/ref_weights_step"),
         "val_problems": records[0].get("val_problems"),
         "val_samples": records[0].get("val_samples"),
+        "wall_time_s": records[0].get("run_wall_time_s"),  # training and validation of the run (None: older file)
     }

@@ -223,8 +223,10 @@ def summarize(curves: dict, resamples: int = 10_000, baselines=BASELINES) -> dic
                                                         first["val_samples"])
     if len(start_seeds) > 1:  # step 0 = the same model evaluated with each seed's sampling: pure evaluation noise
         evaluation["start_std_over_seeds"] = stats.mean_std(list(start_seeds.values()))["std"]
+    times = [c.get("wall_time_s") for runs in curves.values() for c in runs.values()]
+    run_time = sum(times) if times and None not in times else None
     return {"per_run": per_run, "table": table, "comparisons": comparisons, "evaluation": evaluation,
-            "resamples": resamples}
+            "resamples": resamples, "run_time_s": run_time}
 
 
 def _cell(value: dict | None, digits: int = 3) -> str:
@@ -281,6 +283,9 @@ def format_summary(summary: dict) -> str:
               "so 'higher'/'lower' then means only that every seed agreed.",
               "", f"{summary['runs_executed']} run(s) executed now ({summary['workers']} worker(s)), "
               f"{summary['wall_time_s']:.0f} s."]
+    if summary.get("run_time_s") is not None:
+        lines[-1] += (f" All {sum(len(s) for s in summary['per_run'].values())} runs took {summary['run_time_s']:.0f} "
+                      "s of run time in all (each run's own wall time, summed; parallel runs overlap).")
     return "\n".join(lines) + "\n"
 
 
