@@ -23,7 +23,7 @@ test: $(STAMP)
 # ARMOR vs GRPO step time / time split / peak RSS on the tiny model (a few minutes on 2 cores);
 # writes results/bench/bench.json and bench.md. BENCH_ARGS=--smoke for a quick structural run.
 bench: $(STAMP)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 # The offline CPU demo: the collapse testbed, GRPO / GRPO+KL / GRPO at lr×(G−1)/G / ARMOR × 3 seeds (~8 min on 2 cores,
 # set-up included); results in results/demo/collapse_testbed/ (a rerun reuses finished runs).

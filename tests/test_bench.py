@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/bench.py: one repetition of 1-2 tiny steps per configuration; checks structure only.
+"""Tests of the bench (the `benchmarks` package, `python -m benchmarks`): its configuration file, its time split, and
+a smoke run (one repetition of 1-2 tiny steps per variant) that checks structure only.
 
 No timing assertions: timings on a shared CI machine mean nothing. `make bench` runs the real measurement.
 """
@@ -9,8 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "benchmarks" / "bench.py"
+if str(REPO) not in sys.path:  # the benchmarks package lives at the repository root, next to armor_trl
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import config, instruments  # noqa: E402
+
+BENCH = [sys.executable, "-m", "benchmarks"]
 CONFIGS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
     "grpo_dynamic", "armor_dynamic", "armor_column", "armor_column_lora",
@@ -18,10 +26,45 @@ CONFIGS = [
 PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "other"]
 
 
+def test_bench_config_is_data_and_checked(tmp_path):
+    bench = config.load()
+    assert list(bench.variants) == CONFIGS
+    assert bench.baselines == ("grpo_b004", "grpo_b004_lora")
+    assert [v.name for v in bench.variants.values() if v.column] == ["armor_column", "armor_column_lora"]
+    assert {name for name, v in bench.variants.items() if v.armor and v.trainer == "armor_trl"} == {
+        n for n in CONFIGS if n.startswith("armor_")}
+    assert set(bench.presets) == {"full", "smoke", "memory"}
+    bad = tmp_path / "bench.yaml"
+    text = config.CONFIG_FILE.read_text()
+    bad.write_text(text.replace("trainer: trl\n    beta: 0.0\n", "trainer: trl\n    armor: true\n", 1))
+    with pytest.raises(ValueError, match="grpo_b0"):
+        config.load(bad)
+    bad.write_text(text.replace("variant: armor_full, base: grpo_b004", "variant: armor_fulll, base: grpo_b004", 1))
+    with pytest.raises(ValueError, match="armor_fulll"):
+        config.load(bad)
+
+
+def test_split_separates_policy_and_anchor_generation():
+    # ARMOR: TRL's generation call for the on-policy rows is timed apart from ARMOR's override around it
+    armor = {"step_s": 1.0, "gs_total": 0.7, "gen_single_turn": 0.5, "policy_generate": 0.2, "anchor_generate": 0.25,
+             "rewards": 0.05, "ref_fwd_armor": 0.1, "training_step": 0.25, "prepare_inputs": 0.0}
+    parts = instruments.split(armor)
+    assert list(parts) == PARTS
+    assert parts["policy_gen"] == 0.2 and parts["anchor_gen"] == 0.25
+    assert parts["anchor_score"] == pytest.approx(0.05)
+    assert parts["gen_other"] == pytest.approx(0.05) and parts["other"] == pytest.approx(0.05)
+    assert sum(parts.values()) == pytest.approx(1.0)
+    # GRPO: no anchors, so everything in the generation call is the policy's
+    grpo = {"step_s": 1.0, "gs_total": 0.7, "gen_single_turn": 0.5, "rewards": 0.05, "logps_in_gen": 0.1,
+            "training_step": 0.25, "prepare_inputs": 0.0}
+    parts = instruments.split(grpo)
+    assert parts["policy_gen"] == 0.5 and parts["anchor_gen"] == 0.0 and parts["anchor_score"] == 0.0
+
+
 def test_bench_smoke_writes_json_and_table(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--out", str(tmp_path)],
+        [*BENCH, "--smoke", "--out", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -46,11 +89,13 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert summary["grpo_b0"]["split_s"]["ref_fwd"] == 0.0
     assert summary["grpo_b004"]["split_s"]["ref_fwd"] > 0
     assert summary["grpo_b0"]["split_s"]["anchor_gen"] == 0.0
+    assert summary["grpo_b0"]["split_s"]["anchor_score"] == 0.0
     for name in ("armor_full", "armor_cache", "armor_lora"):
         assert summary[name]["split_s"]["ref_fwd"] > 0, name
         assert summary[name]["reset_s"]["median"] > 0, name
         assert "armor/anchor_found_frac" in summary[name]["metrics"], name
     assert summary["armor_full"]["split_s"]["anchor_gen"] > 0
+    assert summary["armor_full"]["split_s"]["anchor_score"] > 0 and summary["armor_full"]["split_s"]["policy_gen"] > 0
     assert summary["armor_full"]["reset_kind"] == "full" and summary["armor_lora"]["reset_kind"] == "lora"
     assert "armor/anchor_cache_hit_frac" in summary["armor_cache"]["metrics"]
     assert "whatif_merged_generation" in summary["armor_lora"]
@@ -87,7 +132,7 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
 
     # the tables can be rendered again from the saved raw runs, without training
     again = subprocess.run(
-        [sys.executable, str(BENCH), "--from-json", str(tmp_path / "bench.json"), "--out", str(tmp_path / "again")],
+        [*BENCH, "--from-json", str(tmp_path / "bench.json"), "--out", str(tmp_path / "again")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert again.returncode == 0, again.stderr[-3000:]

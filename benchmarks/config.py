@@ -1,0 +1,94 @@
+"""The bench's settings as data: variants, baselines, targets, presets and defaults, read from ``bench.yaml``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+CONFIG_FILE = Path(__file__).with_name("bench.yaml")
+TRAINERS = ("trl", "armor_trl")
+REWARDS = ("digit", "digit_01")
+WHATIFS = ("generate_rows", "merged_generation")
+QUANTITIES = ("step", "rss", "lora_reset")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One trainer set-up to measure."""
+
+    name: str
+    description: str
+    trainer: str = "trl"  # trl: trl.GRPOTrainer; armor_trl: ArmorGRPOTrainer
+    armor: bool = False  # anchors and the mixed ratio on (ArmorGRPOTrainer only)
+    beta: float = 0.0
+    lora: bool = False
+    reward: str = "digit"
+    args: dict = field(default_factory=dict)  # further ArmorConfig fields
+    whatif: tuple = ()
+
+    @property
+    def column(self) -> bool:
+        """Trains on pre-generated anchors (needs the bulk pass before the runs)."""
+        return self.args.get("anchor_source") == "column"
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    variant: str
+    base: str
+    quantity: str  # step | rss | lora_reset
+    bound: float
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    variants: dict  # name -> Variant, in run order
+    baseline: str
+    lora_baseline: str
+    targets: list
+    presets: dict  # name -> {"shape": {...}, "calibration_draws": int, "whatif_repeats": int}
+    defaults: dict
+    training: dict
+    lora: dict
+
+    @property
+    def baselines(self) -> tuple:
+        return (self.baseline, self.lora_baseline)
+
+
+def _variant(name: str, fields: dict) -> Variant:
+    variant = Variant(name=name, **{**fields, "whatif": tuple(fields.get("whatif", ()))})
+    problems = []
+    if variant.trainer not in TRAINERS:
+        problems.append(f"trainer must be one of {TRAINERS}")
+    if variant.armor and variant.trainer != "armor_trl":
+        problems.append("armor: true needs trainer: armor_trl")
+    if variant.reward not in REWARDS:
+        problems.append(f"reward must be one of {REWARDS}")
+    if variant.args and variant.trainer != "armor_trl":
+        problems.append("args are ArmorConfig fields: trainer must be armor_trl")
+    if set(variant.whatif) - set(WHATIFS) or (variant.whatif and not variant.armor):
+        problems.append(f"whatif takes {WHATIFS}, on ARMOR variants")
+    if problems:
+        raise ValueError(f"bench variant {name!r}: " + "; ".join(problems))
+    return variant
+
+
+def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
+    raw = yaml.safe_load(Path(path).read_text())
+    variants = {name: _variant(name, fields) for name, fields in raw["variants"].items()}
+    targets = [Target(**row) for row in raw["targets"]]
+    config = BenchConfig(
+        variants=variants, baseline=raw["baselines"]["full"], lora_baseline=raw["baselines"]["lora"],
+        targets=targets, presets=raw["presets"], defaults=raw["defaults"], training=raw["training"], lora=raw["lora"],
+    )
+    for name in config.baselines + tuple(n for t in targets for n in (t.variant, t.base)):
+        if name not in variants:
+            raise ValueError(f"{path}: {name!r} is not a variant")
+    for target in targets:
+        if target.quantity not in QUANTITIES:
+            raise ValueError(f"{path}: target {target.label!r}: quantity must be one of {QUANTITIES}")
+    return config

@@ -1,0 +1,149 @@
+"""Timers around the training step's phases, and memory readings. Used inside worker processes only.
+
+The time split of one optimizer step comes from wrapping TRL's hook methods on the trainer instance (the ones
+``armor_trl.trl_seam`` lists, plus ``_prepare_inputs`` and ``training_step``) and the ``trl_seam`` helpers through
+which ARMOR samples and scores reference candidates and computes reference log-probs. Nothing of
+ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRPOTrainer and ArmorGRPOTrainer:
+
+* ``policy_gen``   TRL's ``GRPOTrainer._generate_single_turn`` for the training rows (for ARMOR: the on-policy rows
+                   only; its anchor candidates go through the same method inside ``trl_seam.generate``)
+* ``anchor_gen``   ``trl_seam.generate``: the reference candidates, K per group
+* ``anchor_score`` the rest of ARMOR's ``_generate_single_turn``: ``trl_seam.score_quietly`` (rewards of the
+                   candidates), decoding, selection, cache bookkeeping, the switch to the reference
+* ``ref_fwd``      reference log-probs: ``trl_seam.per_token_logps`` (ARMOR) or, for GRPO with beta > 0,
+                   ``_get_per_token_logps_and_entropies`` called during ``_generate_and_score_completions``
+* ``reward``       ``_calculate_rewards`` (instance) for the training rows
+* ``gen_other``    rest of ``_generate_and_score_completions`` (tokenize, decode, advantages, metrics)
+* ``loss_bwd``     ``training_step`` minus ``_prepare_inputs``: forward with grad, loss, backward
+* ``other``        rest of the optimizer step: optimizer, scheduler, callbacks (reference resets), logging
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+from collections import defaultdict
+
+PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "other")
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class Timers:
+    """Wall and process-CPU seconds per key, accumulated over one optimizer step."""
+
+    def __init__(self):
+        self.current = defaultdict(float)
+        self.cpu = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.flags = set()  # names of the wrapped calls in progress that set a flag
+
+    def wrap(self, fn, key, flag=None, key_fn=None):
+        """``fn`` timed under ``key`` (or ``key_fn()``; None: not timed); ``flag`` is set while it runs."""
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            name = key_fn() if key_fn else key
+            if name is None:
+                return fn(*args, **kwargs)
+            if flag:
+                self.flags.add(flag)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[name] += time.perf_counter() - start
+                self.cpu[name] += time.process_time() - cpu_start
+                self.calls[name] += 1
+                if flag:
+                    self.flags.discard(flag)
+
+        return wrapper
+
+    def take(self) -> tuple[dict, dict]:
+        """This step's wall and CPU totals; starts the next step."""
+        wall, cpu = dict(self.current), dict(self.cpu)
+        self.current.clear()
+        self.cpu.clear()
+        return wall, cpu
+
+
+def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
+    """Wrap the trainer's TRL hooks (and, for ARMOR, the seam helpers) with timers; return the list that receives
+    one ``{"step", "raw", "raw_cpu"}`` record per optimizer step."""
+    from transformers import TrainerCallback
+
+    t = trainer
+    t._generate_and_score_completions = timers.wrap(t._generate_and_score_completions, "gs_total", flag="gen")
+    t._generate_single_turn = timers.wrap(t._generate_single_turn, "gen_single_turn")
+    t._calculate_rewards = timers.wrap(t._calculate_rewards, "rewards")
+    t._prepare_inputs = timers.wrap(t._prepare_inputs, "prepare_inputs")
+    t.training_step = timers.wrap(t.training_step, "training_step")
+    # GRPO with beta > 0: the only per-token-logps forward during generation is the reference's (old log-probs are
+    # not computed: steps_per_generation * num_iterations divides gradient_accumulation_steps).
+    t._get_per_token_logps_and_entropies = timers.wrap(
+        t._get_per_token_logps_and_entropies, None, key_fn=lambda: "logps_in_gen" if "gen" in timers.flags else None
+    )
+    if armor:
+        _instrument_seam(timers)
+    steps = []
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now, now_cpu = time.perf_counter(), time.process_time()
+            wall, cpu = timers.take()
+            steps.append({"step": state.global_step, "raw": {"step_s": now - self.last, **wall},
+                          "raw_cpu": {"step_s": now_cpu - self.last_cpu, **cpu}})
+            self.last, self.last_cpu = now, now_cpu
+
+    t.add_callback(StepTimer())  # last callback: its on_step_end runs after ARMOR's reference reset
+    return steps
+
+
+def _instrument_seam(timers: Timers) -> None:
+    """ARMOR: the seam helpers, and TRL's generation method where ARMOR calls it for the on-policy rows."""
+    from trl import GRPOTrainer
+
+    from armor_trl import trl_seam
+
+    trl_seam.generate = timers.wrap(trl_seam.generate, "anchor_generate", flag="anchor_gen")
+    trl_seam.score_quietly = timers.wrap(trl_seam.score_quietly, "anchor_score")
+    trl_seam.per_token_logps = timers.wrap(trl_seam.per_token_logps, "ref_fwd_armor")
+    # the class attribute, which ARMOR's override reaches through super(); inside trl_seam.generate it is anchors
+    GRPOTrainer._generate_single_turn = timers.wrap(
+        GRPOTrainer._generate_single_turn, None,
+        key_fn=lambda: None if "anchor_gen" in timers.flags else "policy_generate",
+    )
+
+
+def split(raw: dict) -> dict:
+    """Derived time split (seconds) of one optimizer step from the raw timer totals."""
+    g = raw.get
+    single_turn = g("gen_single_turn", 0.0)
+    policy = g("policy_generate", 0.0) if "policy_generate" in raw else single_turn
+    ref = g("ref_fwd_armor", 0.0) + g("logps_in_gen", 0.0)
+    parts = {
+        "policy_gen": policy,
+        "anchor_gen": g("anchor_generate", 0.0),
+        "anchor_score": single_turn - policy - g("anchor_generate", 0.0),
+        "ref_fwd": ref,
+        "reward": g("rewards", 0.0),
+        "gen_other": g("gs_total", 0.0) - single_turn - g("rewards", 0.0) - ref,
+        "loss_bwd": g("training_step", 0.0) - g("prepare_inputs", 0.0),
+    }
+    parts["other"] = raw["step_s"] - sum(parts.values())
+    return parts

@@ -1,0 +1,80 @@
+"""One measured run (worker process): train one variant for ``steps`` optimizer steps under the instruments and
+return its per-step timings and split, peak RSS, logged metrics, the cost of a reference reset and the what-ifs."""
+
+from __future__ import annotations
+
+import time
+
+from benchmarks import instruments, whatif
+from benchmarks.workload import build_trainer, quiet
+
+# logged metrics kept per step in the run's record
+METRICS = (
+    "armor/anchor_found_frac", "armor/anchor_cache_hit_frac", "armor/candidates_verified_frac",
+    "completions/mean_length", "reward", "armor/policy_reward_mean", "armor/generation_rounds",
+    "armor/groups_kept_frac",
+)
+
+
+def run_variant(task: dict) -> dict:
+    """Worker task; ``task`` holds the variant, the bench config and the run's settings."""
+    quiet(task.get("log"), task["threads"])
+    rss_start, peak_start = instruments.rss_mb(), instruments.peak_rss_mb()
+    variant = task["variant"]
+    trainer, build_s = build_trainer(task, variant, task["bench"])
+    timers = instruments.Timers()
+    steps = instruments.instrument(trainer, timers, variant.armor)
+    rss_before_train = instruments.rss_mb()
+    train_start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - train_start
+    peak = instruments.peak_rss_mb()
+
+    result = {
+        "config": variant.name, "rep": task["rep"], "order": task["order"], "build_s": build_s, "train_s": train_s,
+        "rss_start_mb": rss_start, "peak_rss_start_mb": peak_start, "rss_before_train_mb": rss_before_train,
+        "peak_rss_mb": peak,
+        "steps": [
+            {"step": s["step"], "step_s": s["raw"]["step_s"], "cpu_s": s["raw_cpu"]["step_s"],
+             "split": instruments.split(s["raw"]), "split_cpu": instruments.split(s["raw_cpu"]), "raw": s["raw"]}
+            for s in steps
+        ],
+        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "total_params": sum(p.numel() for p in trainer.model.parameters()),
+        "calls": dict(timers.calls),
+    }
+    for key in METRICS:
+        values = [h[key] for h in trainer.state.log_history if key in h]
+        if values:
+            result.setdefault("metrics", {})[key] = values
+    if variant.armor and trainer.reference is not None:
+        result.update(_reset_cost(trainer, task["reset_repeats"]))
+        result.update(_whatifs(trainer, task))
+    return result
+
+
+def _reset_cost(trainer, repeats: int) -> dict:
+    """Cost of a reference reset (pi_ref <- pi_theta), measured after training on the same instance."""
+    policy = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        trainer.reference.reset(policy, trainer.state.global_step + i)
+        times.append(time.perf_counter() - start)
+    return {"reset_s": times, "reset_kind": trainer.reference.kind,
+            "reset_params": sum(p.numel() for p in trainer.reference.parameters_of(policy))}
+
+
+def _whatifs(trainer, task: dict) -> dict:
+    repeats, names = task["whatif_repeats"], task["variant"].whatif
+    if not repeats:
+        return {}
+    groups, g, k = task["batch"] // task["g"], task["g"], task["k"]
+    out = {}
+    if "generate_rows" in names:
+        out["whatif_generate_rows"] = whatif.generate_rows(
+            trainer, [groups * k, groups * (g - 1), groups * g, groups * (g - 1 + k)], repeats
+        )
+    if "merged_generation" in names:
+        out["whatif_merged_generation"] = whatif.merged_generation(trainer, groups * (g - 1), groups * k, repeats)
+    return out
