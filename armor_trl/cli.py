@@ -21,12 +21,34 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from .recipe import (  # noqa: F401  (re-exported: the command's building blocks live in armor_trl.recipe)
-    METHODS, RESERVED_RECIPE_KEYS, DataArguments, TrainScriptArguments, armor_only_fields, build_trainer,
-    load_datasets, load_recipe, named_validation_sets, parse_train_args, train_datasets, validation_callback,
-    validation_sets,
+from .recipe import (
+    DataArguments, TrainScriptArguments, build_trainer, held_out_source, load_datasets, named_validation_sets,
+    parse_train_args, resolve_resume_from_checkpoint, train_datasets,
 )
-from .recipe import _held_out_source
+
+EVAL_RESULTS_FILE = "eval_results.json"  # what `armor-trl eval --output_dir DIR` writes there
+OUTPUT_FLAG = "--output_dir"  # every subcommand's output flag (TRL's name); --out / --output are deprecated aliases
+
+
+class DeprecatedOutputFlag(argparse.Action):
+    """A hidden old spelling of --output_dir: stores into output_dir and warns once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not getattr(namespace, "_warned_deprecated_output", False):
+            warn_deprecated_output(parser.prog, option_string)
+            namespace._warned_deprecated_output = True
+        setattr(namespace, self.dest, values)
+
+
+def warn_deprecated_output(prog: str, flag: str, note: str = "") -> None:
+    print(f"{prog}: warning: {flag} is deprecated and will be removed; use {OUTPUT_FLAG}{note}.", file=sys.stderr)
+
+
+def add_output_dir(parser: argparse.ArgumentParser, help: str, default=None, old: tuple[str, ...] = ()) -> None:
+    """``--output_dir`` with ``old`` spellings accepted, hidden from --help, with one deprecation warning."""
+    parser.add_argument(OUTPUT_FLAG, default=default, help=help)
+    for flag in old:
+        parser.add_argument(flag, dest="output_dir", action=DeprecatedOutputFlag, help=argparse.SUPPRESS)
 
 
 @dataclass
@@ -48,7 +70,10 @@ class EvalArguments(DataArguments):
     max_new_tokens: int = field(default=1024, metadata={"help": "Maximum completion length."})
     batch_size: int = field(default=64, metadata={"help": "Sequences per generate call."})
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
-    output: str | None = field(default=None, metadata={"help": "Write the result as JSON to this file."})
+    output_dir: str | None = field(
+        default=None, metadata={"help": f"Write the result as JSON to <output_dir>/{EVAL_RESULTS_FILE}."}
+    )
+    output: str | None = field(default=None, metadata={"help": argparse.SUPPRESS})  # deprecated: a JSON file
 
 
 def _dry_run_datasets(script_args: TrainScriptArguments):
@@ -68,7 +93,7 @@ def _dry_run_datasets(script_args: TrainScriptArguments):
 
     train = attempt("train", s.dataset_name, lambda: load_datasets(
         s, s.dataset_name, None, s.dataset_train_split, None, s.dataset_config, max_train=s.max_train_samples)[0])
-    source = _held_out_source(s)
+    source = held_out_source(s)
     held_out = None if source is None else attempt("held-out", source, lambda: load_datasets(
         s, None, source, s.dataset_train_split, s.dataset_test_split, s.dataset_config, max_eval=s.max_eval_samples)[1])
     return train, held_out, notes
@@ -236,14 +261,18 @@ def train_main(argv: list[str]) -> int:
         if script_args.resume_best_as_reference:
             print(f"armor-trl train: {_start_from_best(script_args, training_args, model_args)}", file=sys.stderr)
         summary = check_recipe(script_args, training_args, model_args)
+        resume = resolve_resume_from_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     except (ValueError, OSError) as error:
         print(f"armor-trl train: error: {error}", file=sys.stderr)
         return 2
     if script_args.dry_run:
+        if resume:
+            summary.append("resume: " + (f"the newest checkpoint in {training_args.output_dir}" if resume is True
+                                         else resume))
         print("Recipe OK (dry run, no weights loaded):\n  " + "\n  ".join(summary))
         return 0
     trainer = build_trainer(script_args, training_args, model_args)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         print(f"Training completed; model saved to {training_args.output_dir}.")
@@ -279,6 +308,13 @@ def eval_main(argv: list[str]) -> int:
         (args,) = TrlParser((EvalArguments,), prog="armor-trl eval").parse_args_and_config(argv)
         if not args.model or not args.dataset:
             raise ValueError("--model and --dataset are required.")
+        result_file = os.path.join(args.output_dir, EVAL_RESULTS_FILE) if args.output_dir else None
+        if args.output is not None:
+            if args.output_dir:
+                raise ValueError("give --output_dir only (--output is its deprecated form, a JSON file).")
+            warn_deprecated_output("armor-trl eval", "--output", f" (the result then goes to <output_dir>/"
+                                   f"{EVAL_RESULTS_FILE}; --output FILE still writes FILE)")
+            result_file = args.output
         check_k(args.k, args.num_samples, "--k", "--num_samples")  # before any model is loaded or sample drawn
         split = args.split or ("test" if args.dataset == "arithmetic" else None)
         _, dataset = load_datasets(args, None, args.dataset, "train", split, args.dataset_config, max_eval=args.limit)
@@ -303,10 +339,10 @@ def eval_main(argv: list[str]) -> int:
           f"avg@{n} = {result[f'avg@{n}']:.4f}, pass@{args.k} = {result[f'pass@{args.k}']:.4f}")
     left_out = describe_unjudged(result)
     if left_out:
-        print(f"  {left_out}" + (f" (listed under 'unjudged' in {args.output})" if args.output else ""))
-    if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
+        print(f"  {left_out}" + (f" (listed under 'unjudged' in {result_file})" if result_file else ""))
+    if result_file:
+        os.makedirs(os.path.dirname(os.path.abspath(result_file)), exist_ok=True)
+        with open(result_file, "w") as f:
             json.dump({"model": args.model, "dataset": args.dataset, **result}, f, indent=2)
     return 0
 
@@ -319,9 +355,8 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=None, help="Parallel runs (default: one per CPU core).")
     parser.add_argument("--smoke", action="store_true", help="A tiny version that runs in seconds (for tests).")
     parser.add_argument("--config", default=None, help="Recipe (default: configs/collapse_testbed.yaml).")
-    parser.add_argument("--output_dir", default="results/demo",
-                        help="Results go to <output_dir>/<recipe name> (rerunning reuses its finished runs); the "
-                        "warm-started model is cached in <output_dir>/cache.")
+    add_output_dir(parser, "Results go to <output_dir>/<recipe name> (rerunning reuses its finished runs); the "
+                   "warm-started model is cached in <output_dir>/cache.", default="results/demo")
     args = parser.parse_args(argv)
     try:
         demo.run_demo(args.config, args.output_dir, seeds=args.seeds, smoke=args.smoke, workers=args.workers)
@@ -339,8 +374,8 @@ def study_main(argv: list[str]) -> int:
     parser.add_argument("--arms", default=None, help="Comma-separated arm names (default: the arms file's 'default').")
     parser.add_argument("--seeds", type=int, default=None, help="Seeds per arm (default: study.seeds, else 3).")
     parser.add_argument("--workers", type=int, default=None, help="Parallel runs (default: one per CPU core).")
-    parser.add_argument("--out", default=None, help="Study folder (default: results/study/<recipe name>); rerunning "
-                        "the same command there resumes it, skipping finished runs.")
+    add_output_dir(parser, "Study folder (default: results/study/<recipe name>); rerunning the same command there "
+                   "resumes it, skipping finished runs.", old=("--out",))
     parser.add_argument("--arms_file", default=None, help="Arm definitions (default: configs/study/arms.yaml).")
     parser.add_argument("--resamples", type=int, default=10_000, help="Bootstrap resamples of the paired CIs.")
     parser.add_argument("--baselines", default=None, help="Comma-separated arms every other arm is paired with "
@@ -349,8 +384,8 @@ def study_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     names = lambda text: [a.strip() for a in text.split(",") if a.strip()] if text else None  # noqa: E731
     try:
-        study.run_study(args.config, names(args.arms), args.seeds, args.workers, args.out, args.smoke, args.arms_file,
-                        args.resamples, baselines=names(args.baselines))
+        study.run_study(args.config, names(args.arms), args.seeds, args.workers, args.output_dir, args.smoke,
+                        args.arms_file, args.resamples, baselines=names(args.baselines))
     except (ValueError, FileExistsError) as error:
         print(f"armor-trl study: error: {error}", file=sys.stderr)
         return 2
@@ -358,9 +393,97 @@ def study_main(argv: list[str]) -> int:
 
 
 def anchors_main(argv: list[str]) -> int:
-    from .pregenerate import anchors_main as run
+    """``armor-trl anchors --config recipe.yaml --output_dir DIR [--num_candidates K] [--max_anchors_per_prompt M]``
+    (the library is :mod:`armor_trl.pregenerate`)."""
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+    from transformers import AutoTokenizer
 
-    return run(argv)
+    from . import pregenerate
+    from .rewards import resolve_rewards
+
+    parser = argparse.ArgumentParser(
+        prog="armor-trl anchors", allow_abbrev=False,
+        description="Sample K completions per training prompt from the recipe's reference, keep the verified ones "
+        "(train on them with --anchor_source column --anchors_dataset DIR). Other flags override the recipe.",
+    )
+    add_output_dir(parser, "Folder of the anchors (resumed if it holds finished shards); not the recipe's training "
+                   "output_dir.", old=("--output",))
+    parser.add_argument("--num_candidates", type=int, default=8, help="K: reference samples per prompt.")
+    parser.add_argument("--max_anchors_per_prompt", type=int, default=4,
+                        help="M: verified completions kept per prompt.")
+    parser.add_argument("--shard_size", type=int, default=64, help="Prompts per shard (the unit of resumption).")
+    parser.add_argument("--batch_size", type=int, default=16, help="Prompts per generate call (transformers backend).")
+    parser.add_argument("--backend", choices=pregenerate.BACKENDS, default="auto",
+                        help="auto: vLLM when importable and a GPU is present, else transformers.")
+    parser.add_argument("--no_progress", action="store_true", help="No progress bar.")
+    args, rest = parser.parse_known_args(argv)
+    if args.output_dir is None:
+        parser.error("--output_dir is required.")
+    output = args.output_dir
+    try:
+        script_args, training_args, model_args, notes = parse_train_args(rest)
+        for note in notes:
+            print(f"armor-trl anchors: warning: {note}", file=sys.stderr)
+        if not model_args.model_name_or_path or not script_args.dataset_name:
+            raise ValueError("the recipe needs model_name_or_path and dataset_name.")
+        reward_funcs = resolve_rewards(script_args.reward_funcs)
+        reference = script_args.ref_model_name_or_path or model_args.model_name_or_path
+        settings = pregenerate.AnchorSettings(
+            reference=reference, num_candidates=args.num_candidates, max_anchors_per_prompt=args.max_anchors_per_prompt,
+            threshold=getattr(training_args, "anchor_reward_threshold", 1.0),
+            reward_funcs=list(script_args.reward_funcs),
+            reward_weights=training_args.reward_weights,
+            anchor_reward_funcs=getattr(training_args, "anchor_reward_funcs", None),
+            max_completion_length=training_args.max_completion_length, temperature=training_args.temperature,
+            top_p=training_args.top_p, top_k=training_args.top_k or 0, seed=training_args.seed,
+            shard_size=args.shard_size, anchor_column=getattr(training_args, "anchor_column", "anchors"),
+            reference_fingerprint=pregenerate.weight_fingerprint(reference),
+        )
+        settings.check()
+        train, _ = train_datasets(script_args)
+        settings.dataset_fingerprint = pregenerate.dataset_fingerprint(train)
+        state = PartialState(cpu=training_args.use_cpu)
+        if state.is_main_process:
+            pregenerate.prepare_output(output, settings, is_main=True)
+        state.wait_for_everyone()
+        if not state.is_main_process:
+            pregenerate.prepare_output(output, settings, is_main=False)
+    except (ValueError, OSError) as error:
+        print(f"armor-trl anchors: error: {error}", file=sys.stderr)
+        return 2
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    backend = args.backend
+    if backend == "auto":
+        import importlib.util
+
+        backend = "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "transformers"
+    if backend == "vllm":
+        sampler = pregenerate.VLLMSampler(reference, settings)
+    else:
+        sampler = pregenerate.TransformersSampler(reference, settings, tokenizer, state.device, args.batch_size,
+                                                  dtype=model_args.dtype or "auto")
+    counts = pregenerate.generate_shards(train, settings, reward_funcs, tokenizer, sampler, output,
+                                         state.process_index, state.num_processes, training_args.chat_template_kwargs,
+                                         progress=not args.no_progress)
+    everyone = gather_object([counts])
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        return 0
+    prompts, seconds = sum(c["prompts"] for c in everyone), max(c["seconds"] for c in everyone)
+    rate = prompts / seconds if prompts and seconds > 0 else None
+    metadata = pregenerate.finalize(output, settings, len(train), rate)
+    skipped = counts["shards_total"] - sum(c["shards_written"] for c in everyone)
+    print(f"armor-trl anchors: {prompts} prompts sampled ({settings.num_candidates} candidates each) with {backend} in "
+          f"{seconds:.1f} s" + (f" = {rate:.2f} prompts/s" if rate else "") + f"; {skipped} finished shard(s) kept.")
+    if metadata is None:
+        print("armor-trl anchors: some shards are still missing (another process failed?); run again to finish.")
+        return 1
+    print(f"armor-trl anchors: {metadata['prompts_with_anchor']} of {metadata['prompts']} prompts "
+          f"({metadata['share_with_anchor']:.1%}) have at least one verified anchor; wrote "
+          f"{os.path.join(output, pregenerate.MERGED_FILE)} and {pregenerate.METADATA_FILE}.")
+    return 0
 
 
 COMMANDS = {"train": train_main, "eval": eval_main, "demo": demo_main, "study": study_main,
@@ -372,11 +495,11 @@ USAGE = """usage: armor-trl {train,eval,demo,study,anchors} ...
   eval    avg@k and pass@k of a model on a dataset with the built-in verifiers
           e.g. armor-trl eval --model PATH --dataset gsm8k --split test --k 8
   anchors pre-generate verified anchors from the reference (then train with --anchor_source column
-          --anchors_dataset DIR), e.g. armor-trl anchors --config recipe.yaml --output anchors/ --num_candidates 8
+          --anchors_dataset DIR), e.g. armor-trl anchors --config recipe.yaml --output_dir anchors/ --num_candidates 8
   demo    the offline CPU demo: GRPO collapsing on a tiny model vs GRPO+KL, GRPO at lower lr and ARMOR, 3 seeds
           (the collapse testbed as a study, ~8 min on 2 cores; [--seeds N] [--smoke])
   study   arms x seeds of one recipe (configs/study/arms.yaml), resumable, paired bootstrap CIs and plots
-          e.g. armor-trl study --arms grpo,grpo_small_lr,armor --seeds 5 [--workers 2] [--out results/study/x]
+          e.g. armor-trl study --arms grpo,grpo_small_lr,armor --seeds 5 [--workers 2] [--output_dir results/study/x]
 
 Run `armor-trl COMMAND --help` for a command's options."""
 

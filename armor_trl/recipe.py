@@ -226,6 +226,28 @@ def parse_train_args(argv: list[str]):
     return script_args, training_args, model_args, notes
 
 
+def resolve_resume_from_checkpoint(value, output_dir: str) -> bool | str | None:
+    """``resume_from_checkpoint`` as ``Trainer.train`` takes it. From a flag or a recipe it arrives as a string:
+    ``true`` (any case) resumes from the newest checkpoint in ``output_dir`` (True), ``false`` or empty starts afresh
+    (None), anything else is a checkpoint folder. A ValueError when there is nothing to resume from."""
+    if value is None or value is False:
+        return None
+    text = "true" if value is True else str(value).strip()
+    if text.lower() in ("false", ""):
+        return None
+    if text.lower() == "true":
+        from transformers.trainer_utils import get_last_checkpoint
+
+        if not os.path.isdir(output_dir) or get_last_checkpoint(output_dir) is None:
+            raise ValueError(f"resume_from_checkpoint true: no checkpoint-N folder in output_dir {output_dir!r} to "
+                             "resume from; give a checkpoint folder, true (the newest in output_dir) or false.")
+        return True
+    if not os.path.isdir(text):
+        raise ValueError(f"resume_from_checkpoint {text!r}: no such checkpoint folder; give a checkpoint folder, "
+                         "true (the newest checkpoint in output_dir) or false.")
+    return text
+
+
 # --- building a run --------------------------------------------------------------------------------------------
 def load_datasets(args: DataArguments, train_source: str | None, eval_source: str | None, train_split: str,
                   eval_split: str | None, name: str | None = None, max_train: int | None = None,
@@ -248,14 +270,16 @@ def load_datasets(args: DataArguments, train_source: str | None, eval_source: st
     return load(train_source, train_split, max_train), load(eval_source, eval_split, max_eval)
 
 
-def _held_out_source(script_args: TrainScriptArguments) -> str | None:
+def held_out_source(script_args: TrainScriptArguments) -> str | None:
+    """Where validation's held-out set comes from: eval_dataset_name, else the training dataset's test split when
+    validating without val_datasets, else None."""
     if script_args.eval_dataset_name is None and script_args.val_every_steps > 0 and not script_args.val_datasets:
         return script_args.dataset_name
     return script_args.eval_dataset_name
 
 
 def train_datasets(script_args: TrainScriptArguments):
-    return load_datasets(script_args, script_args.dataset_name, _held_out_source(script_args),
+    return load_datasets(script_args, script_args.dataset_name, held_out_source(script_args),
                          script_args.dataset_train_split, script_args.dataset_test_split, script_args.dataset_config,
                          script_args.max_train_samples, script_args.max_eval_samples)
 

@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -146,20 +147,30 @@ def reference_server_run(model_path, tokenizer, steps, output_root, out):
     assert result["ok"], f"the reference server got weights at steps {pushes}, expected {expected}"
 
 
+class DeprecatedOut(argparse.Action):
+    """--out, the earlier name of --output_dir (the armor-trl commands' name): still accepted, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"gpu_check: warning: {option_string} is deprecated and will be removed; use --output_dir.",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--vllm", action="store_true")
     parser.add_argument("--reference_server", action="store_true", help="only the two-server check (3 GPUs, vllm)")
-    parser.add_argument("--out", default=os.environ.get("OUT", "results/gpu_check"))
+    parser.add_argument("--output_dir", default=os.environ.get("OUT", "results/gpu_check"))
+    parser.add_argument("--out", dest="output_dir", action=DeprecatedOut, help=argparse.SUPPRESS)
     cli = parser.parse_args()
     assert torch.cuda.is_available(), "the GPU check needs CUDA"
-    os.makedirs(cli.out, exist_ok=True)
+    os.makedirs(cli.output_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = build_half_billion(os.path.join(tmp, "model"))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         if cli.reference_server:
-            reference_server_run(model_path, tokenizer, cli.steps, tmp, cli.out)
+            reference_server_run(model_path, tokenizer, cli.steps, tmp, cli.output_dir)
             return
         results = []
         for lora in (False, True):
@@ -172,7 +183,7 @@ def main():
         base = next(b for b in results if b["run"] == ("grpo_beta0.04_lora" if "lora" in r["run"] else "grpo_beta0.04"))
         print(f"| {r['run']} | {r['median_step_s']:.3f} | {r['peak_gpu_gib']:.2f} | "
               f"{r['median_step_s'] / base['median_step_s']:.2f}× time, {r['peak_gpu_gib'] / base['peak_gpu_gib']:.2f}× mem |")
-    with open(os.path.join(cli.out, "gpu_check.json"), "w") as f:
+    with open(os.path.join(cli.output_dir, "gpu_check.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "vllm": cli.vllm, "results": results}, f, indent=2)
 
 

@@ -1,12 +1,12 @@
 """The GPU study: `armor-trl study`'s comparison (grpo, grpo_small_lr, grpo_kl_0.04, armor by default, with paired
 statistics) on a real small instruct model and GSM8K, on one GPU, offline (docs/gpu_study.md).
 
-    scripts/gpu_study.sh --model DIR --train FILE --test FILE [--wheelhouse DIR] [--out DIR] [--seeds N] [--dry_run]
+    scripts/gpu_study.sh --model DIR --train FILE --test FILE [--wheelhouse DIR] [--output_dir DIR] [--seeds N] [--dry_run]
 
 Model and data come from local paths only (no network: the hub is switched off). With --wheelhouse the project and
 what the machine lacks are installed from that folder (`make wheelhouse`) with pip --no-index first. The study
 itself is armor_trl.experiments.study.run_study on the recipe (configs/gpu_study_gsm8k.yaml by default) with the
-paths filled in, written to <out>/gpu_study_recipe.yaml; it writes what `armor-trl study` writes (summary.md,
+paths filled in, written to <output_dir>/gpu_study_recipe.yaml; it writes what `armor-trl study` writes (summary.md,
 summary.json, curves.png, kl.png, metrics/<arm>-seed<s>.jsonl) plus environment.jsonl (GPU, versions; a line per
 start). A rerun of
 the same command skips finished runs. --dry_run checks everything (arguments, paths, CUDA aside, the data's
@@ -56,6 +56,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class DeprecatedOut(argparse.Action):
+    """--out, the earlier name of --output_dir (the armor-trl commands' name): still accepted, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not getattr(namespace, "_warned_out", False):
+            print(f"{parser.prog}: warning: {option_string} is deprecated and will be removed; use --output_dir.",
+                  file=sys.stderr)
+            namespace._warned_out = True
+        setattr(namespace, self.dest, values)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="gpu_study.sh", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="local folder of a Hugging Face model (config.json, "
@@ -65,8 +76,9 @@ def parse_args(argv):
     parser.add_argument("--test", required=True, help="local held-out file, same format (GSM8K's test split)")
     parser.add_argument("--wheelhouse", default=None, help="folder built by `make wheelhouse`: install the project "
                         "from it (pip --no-index) first")
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"study folder (default {DEFAULT_OUT}); rerunning the "
-                        "same command there skips finished runs")
+    parser.add_argument("--output_dir", default=DEFAULT_OUT, help=f"study folder (default {DEFAULT_OUT}); rerunning "
+                        "the same command there skips finished runs")
+    parser.add_argument("--out", dest="output_dir", action=DeprecatedOut, help=argparse.SUPPRESS)
     parser.add_argument("--seeds", type=_positive_int, default=None, help="seeds per arm (default: the recipe's "
                         "study.seeds, 2)")
     parser.add_argument("--arms", default=None, help="comma-separated arms of configs/study/arms.yaml (default: the "
@@ -177,7 +189,7 @@ def make_plan(args) -> dict:
     train = _rows("--train", paths["dataset_name"], recipe, recipe.get("max_train_samples"))
     test = _rows("--test", paths["eval_dataset_name"], recipe, recipe.get("max_eval_samples"))
     runs = len(chosen) * seeds
-    out = Path(args.out)
+    out = Path(args.output_dir)
     _check_same_study(out, recipe)
     done = [f"{a}-seed{s}" for s in range(seed0, seed0 + seeds) for a in chosen
             if study.metrics_path(out, a, s).is_file()]
@@ -187,7 +199,7 @@ def make_plan(args) -> dict:
 
 
 def _check_same_study(out: Path, recipe: dict) -> None:
-    """Before anything is written to --out: a folder holding a study of another recipe (or other model or data
+    """Before anything is written to --output_dir: a folder holding a study of another recipe (or other model or data
     paths) is not reused (run_study would refuse it too, after this script had overwritten its recipe file)."""
     import yaml
 
@@ -195,7 +207,8 @@ def _check_same_study(out: Path, recipe: dict) -> None:
     if record.is_file():
         earlier = json.loads(record.read_text()).get("recipe")
         if earlier != json.loads(json.dumps(yaml.safe_load(yaml.safe_dump(recipe)))):  # as run_study records it
-            raise InputError(f"--out {out}: holds a study of another recipe, model or data; use another --out.")
+            raise InputError(f"--output_dir {out}: holds a study of another recipe, model or data; use another "
+                             "--output_dir.")
 
 
 def check_arms(plan: dict) -> dict:
@@ -273,7 +286,7 @@ def main(argv=None) -> int:
         print(format_plan(plan, resolved, args.dry_run), flush=True)
         if args.dry_run:
             return 0
-        out = Path(args.out)
+        out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         recipe_file = out / "gpu_study_recipe.yaml"
         _write_recipe(plan["recipe"], recipe_file)

@@ -13,7 +13,8 @@ import yaml
 from trl import GRPOConfig
 
 from armor_trl import ArmorConfig
-from armor_trl.cli import describe_resets, main, parse_train_args, reset_schedule
+from armor_trl.cli import EVAL_RESULTS_FILE, describe_resets, main, reset_schedule
+from armor_trl.recipe import parse_train_args, resolve_resume_from_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RECIPE = REPO / "configs" / "tiny_demo.yaml"
@@ -145,13 +146,14 @@ def test_train_two_steps_from_yaml(recipe, cwd, method, capsys):
 
 
 def test_eval_command(tiny_model_path, tmp_path, capsys):
-    out = tmp_path / "eval.json"
+    out = tmp_path / "results" / EVAL_RESULTS_FILE
     assert main(["eval", "--model", tiny_model_path, "--dataset", "arithmetic", "--arithmetic_eval_size", "6",
-                 "--k", "2", "--num_samples", "3", "--max_new_tokens", "4", "--output", str(out)]) == 0
+                 "--k", "2", "--num_samples", "3", "--max_new_tokens", "4", "--output_dir", str(out.parent)]) == 0
     result = json.loads(out.read_text())
     assert result["num_problems"] == result["num_total"] == 6 and result["num_unjudged"] == 0
     assert 0.0 <= result["avg@3"] <= result["pass@2"] <= 1.0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    assert "deprecated" not in err
     assert "(6 problems, n=3)" in printed and "avg@3 =" in printed and "left out" not in printed
     assert main(["eval", "--dataset", "arithmetic"]) == 2
 
@@ -186,9 +188,9 @@ def test_eval_says_how_many_problems_it_dropped_and_why(tiny_model_path, tmp_pat
             {"prompt": "3+2=", "answer": "5"}, {"prompt": "4+2=", "answer": "1/2"}]
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "eval.json"
+    out = tmp_path / EVAL_RESULTS_FILE
     assert main(["eval", "--model", tiny_model_path, "--dataset", str(data), "--reward", "exact_integer", "--k", "1",
-                 "--num_samples", "2", "--max_new_tokens", "3", "--output", str(out)]) == 0
+                 "--num_samples", "2", "--max_new_tokens", "3", "--output_dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "(2 of 4 problems, n=2)" in printed
     assert ("2 of 4 problems left out because they could not be judged: 2 the verifier returned None for every "
@@ -274,3 +276,102 @@ def test_resume_best_as_reference_starts_armor_from_the_best_checkpoint(recipe, 
     assert all(torch.equal(reference[name], best[name]) for name in best)  # π_ref = the best checkpoint's weights
     with pytest.raises(ValueError, match="no trainer_state.json best_model_checkpoint"):
         best_checkpoint(str(second), metric="val/missing")
+
+
+# --- one output flag: --output_dir everywhere; the old spellings still work, hidden, with one warning --------------
+def deprecation_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "deprecated" in line]
+
+
+def test_eval_output_is_a_deprecated_alias_that_still_writes_the_file(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "old" / "eval.json"
+    assert main(["eval", "--model", tiny_model_path, "--dataset", "arithmetic", "--arithmetic_eval_size", "2",
+                 "--k", "1", "--max_new_tokens", "2", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["num_total"] == 2  # the old form writes the named file, as it did
+    (line,) = deprecation_lines(capsys.readouterr().err)
+    assert line.startswith("armor-trl eval: warning: --output is deprecated") and "use --output_dir" in line
+    assert main(["eval", "--model", tiny_model_path, "--dataset", "arithmetic", "--output", str(out),
+                 "--output_dir", str(tmp_path)]) == 2
+    assert "give --output_dir only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old", [None, "--out"])
+def test_study_output_dir_and_its_deprecated_alias(old, tmp_path, monkeypatch, capsys):
+    from armor_trl.experiments import study
+
+    seen = []
+    monkeypatch.setattr(study, "run_study", lambda *args, **kwargs: seen.append(args[4]))
+    assert main(["study", "--smoke", old or "--output_dir", str(tmp_path / "s")]) == 0
+    assert seen == [str(tmp_path / "s")]
+    lines = deprecation_lines(capsys.readouterr().err)
+    assert lines == ([] if old is None else
+                     ["armor-trl study: warning: --out is deprecated and will be removed; use --output_dir."])
+
+
+@pytest.mark.parametrize("old", [None, "--output"])
+def test_anchors_output_dir_and_its_deprecated_alias(old, recipe, cwd, monkeypatch, capsys):
+    from armor_trl import pregenerate
+
+    def stop(output, settings, is_main):
+        raise ValueError(f"would write to {output}")
+
+    monkeypatch.setattr(pregenerate, "prepare_output", stop)
+    assert main(["anchors", "--config", str(recipe), old or "--output_dir", str(cwd / "anchors")]) == 2
+    err = capsys.readouterr().err
+    assert f"armor-trl anchors: error: would write to {cwd / 'anchors'}" in err
+    assert len(deprecation_lines(err)) == (0 if old is None else 1)
+    with pytest.raises(SystemExit):
+        main(["anchors", "--config", str(recipe)])
+    assert "--output_dir is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["study", "anchors", "demo"])
+def test_help_shows_only_output_dir(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    assert "--output_dir" in text and "--out " not in text and "--output " not in text
+
+
+# --- resume_from_checkpoint as TRL's scripts take it ---------------------------------------------------------------
+def test_resume_from_checkpoint_strings(tmp_path):
+    (tmp_path / "checkpoint-2").mkdir()
+    for text in ("True", "true", "TRUE", True):
+        assert resolve_resume_from_checkpoint(text, str(tmp_path)) is True
+    for text in ("False", "false", "", None, False):
+        assert resolve_resume_from_checkpoint(text, str(tmp_path)) is None
+    assert resolve_resume_from_checkpoint(str(tmp_path / "checkpoint-2"), "elsewhere") == str(tmp_path / "checkpoint-2")
+    with pytest.raises(ValueError, match="no checkpoint-N folder in output_dir"):
+        resolve_resume_from_checkpoint("True", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="no such checkpoint folder"):
+        resolve_resume_from_checkpoint(str(tmp_path / "checkpoint-9"), str(tmp_path))
+
+
+@pytest.mark.parametrize("value, expected", [("True", True), ("false", None), ("checkpoint-1", "checkpoint-1")])
+def test_train_passes_resume_from_checkpoint_to_the_trainer(value, expected, recipe, cwd, monkeypatch, capsys):
+    import armor_trl.cli
+
+    (cwd / "out" / "checkpoint-1").mkdir(parents=True)
+    monkeypatch.chdir(cwd / "out")  # a relative checkpoint path
+    calls = []
+
+    class Trainer:
+        accelerator = type("Accelerator", (), {"is_main_process": True})
+
+        def train(self, resume_from_checkpoint=None):
+            calls.append(resume_from_checkpoint)
+
+        def save_model(self, path):
+            pass
+
+    monkeypatch.setattr(armor_trl.cli, "build_trainer", lambda *args, **kwargs: Trainer())
+    assert main(["train", "--config", str(recipe), "--resume_from_checkpoint", value]) == 0
+    assert calls == [expected]
+
+
+def test_train_refuses_resume_without_a_checkpoint(recipe, cwd, capsys):
+    assert main(["train", "--config", str(recipe), "--dry_run", "--resume_from_checkpoint", "TRUE"]) == 2
+    assert "resume_from_checkpoint true: no checkpoint-N folder in output_dir" in capsys.readouterr().err
+    (cwd / "out" / "checkpoint-4").mkdir(parents=True)
+    assert main(["train", "--config", str(recipe), "--dry_run", "--resume_from_checkpoint", "TRUE"]) == 0
+    assert f"resume: the newest checkpoint in {cwd / 'out'}" in capsys.readouterr().out

@@ -63,7 +63,7 @@ def files(tmp_path, tiny_model_path):
 
 
 def argv(files, *extra):
-    return ["--model", files["model"], "--train", files["train"], "--test", files["test"], "--out", files["out"],
+    return ["--model", files["model"], "--train", files["train"], "--test", files["test"], "--output_dir", files["out"],
             *extra]
 
 
@@ -131,7 +131,7 @@ def test_the_study_itself_on_the_cpu(files, tmp_path, no_install, monkeypatch, c
     other.write_text(GSM8K_TEST.read_text())
     args[args.index("--test") + 1] = str(other)  # other data, same folder: refused before anything is written
     assert gpu_study.main(args) == 2
-    assert f"--out {out}: holds a study of another recipe, model or data" in capsys.readouterr().err
+    assert f"--output_dir {out}: holds a study of another recipe, model or data" in capsys.readouterr().err
     assert (out / "gpu_study_recipe.yaml").read_text() == written
 
 
@@ -188,6 +188,13 @@ def test_bad_counts_fail_naming_the_flag(flag, value, files, no_install, capsys)
         gpu_study.main(argv(files, "--dry_run", flag, value))
     assert exit_.value.code == 2
     assert f"argument {flag}: expected an integer >= 1, got '{value}'" in capsys.readouterr().err
+
+
+def test_out_is_a_deprecated_alias_of_output_dir(files, capsys):
+    args = gpu_study.parse_args([*argv(files)[:-2], "--out", "elsewhere"])
+    assert args.output_dir == "elsewhere"
+    assert capsys.readouterr().err.count("--out is deprecated and will be removed; use --output_dir") == 1
+    assert gpu_study.parse_args(argv(files)).output_dir == files["out"] and "deprecated" not in capsys.readouterr().err
 
 
 def test_missing_flags_are_named(capsys):

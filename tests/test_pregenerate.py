@@ -138,7 +138,7 @@ def test_cli_two_step_workflow(tiny_model_path, tmp_path, monkeypatch, capsys):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     output = tmp_path / "anchors"
-    assert main(["anchors", "--config", str(path), "--output", str(output), "--num_candidates", "4",
+    assert main(["anchors", "--config", str(path), "--output_dir", str(output), "--num_candidates", "4",
                  "--max_anchors_per_prompt", "3", "--shard_size", "4", "--no_progress"]) == 0
     printed = capsys.readouterr().out
     assert "prompts/s" in printed and "have at least one verified anchor" in printed

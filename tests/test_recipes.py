@@ -16,8 +16,9 @@ import yaml
 from datasets import Dataset
 
 import armor_trl.datasets
-from armor_trl.cli import main, parse_train_args, train_datasets
+from armor_trl.cli import main
 from armor_trl.datasets import DAPO_PREFIX, DAPO_SUFFIX
+from armor_trl.recipe import load_recipe, parse_train_args, train_datasets
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))  # not configs/accelerate/
@@ -42,7 +43,6 @@ def test_the_recipes_are_there():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_recipe_dry_run(path, tiny_model_path, capsys):
-    from armor_trl.cli import load_recipe
 
     recipe = load_recipe(str(path))
     methods = [recipe.get("method", "armor")] + (["grpo"] if recipe.get("method", "armor") == "armor" else [])
@@ -118,8 +118,6 @@ def test_qae_recipes_are_their_base_plus_the_quantile():
 
 
 def test_a_recipe_base_is_merged_and_overridden(tmp_path):
-    from armor_trl.cli import load_recipe
-
     (tmp_path / "a.yaml").write_text("learning_rate: 0.1\nseed: 3\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\nseed: 4\n")
     assert load_recipe(str(tmp_path / "b.yaml")) == {"learning_rate": 0.1, "seed": 4}
