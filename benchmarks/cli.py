@@ -25,7 +25,7 @@ for _name, _value in (
 ):
     os.environ.setdefault(_name, _value)
 
-from benchmarks import config, report, summary  # noqa: E402
+from benchmarks import config, regime, report, summary  # noqa: E402
 from benchmarks.run import run_variant  # noqa: E402
 from benchmarks.workload import build_and_calibrate, pregenerate_anchors  # noqa: E402
 
@@ -59,6 +59,9 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
     parser.add_argument("--lr-lora", type=float, default=d["lr_lora"])
     parser.add_argument("--reset-repeats", type=int, default=d["reset_repeats"])
     parser.add_argument("--whatif-repeats", type=int, default=None, help="mixed-adapter generation what-if (LoRA)")
+    parser.add_argument("--mini-batches", default=",".join(map(str, bench.regime["mini_batches"])),
+                        help="regime: optimizer steps per rollout batch (steps_per_generation), comma-separated")
+    parser.add_argument("--no-regime", action="store_true", help="skip the regime runs")
     parser.add_argument("--from-json", default=None, help="recompute summary and tables from a saved bench.json")
     parser.add_argument("--bench-config", default=str(config.CONFIG_FILE), help="the variants, targets and presets")
     args = parser.parse_args(argv)
@@ -76,6 +79,8 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
         parser.error("--batch must be a multiple of --g")
     if args.whatif_repeats is None:
         args.whatif_repeats = bench.presets[args.preset]["whatif_repeats"]
+    mini_batches = [int(m) for m in args.mini_batches.split(",") if m.strip()] if not args.no_regime else []
+    args.regime = regime.plan(bench, bench.presets[args.preset], args.variants, mini_batches, args.shape, args.g)
     return args
 
 
@@ -84,8 +89,15 @@ def rerender(source: Path, out: Path, bench: config.BenchConfig) -> int:
     result = json.loads(source.read_text())
     result["summary"] = summary.summarize(result["runs"], result["meta"]["warmup"], bench)
     result["targets"] = summary.check_targets(result["summary"], bench)
+    if "regime" in result:
+        result["regime"]["summary"] = regime.summarize(result["regime"]["runs"], bench)
     print(report.write(result, out, bench))
     return 0
+
+
+def _rotated(items: list, rep: int) -> list:
+    """The schedule of repetition ``rep``: rotated, so that no run is always first."""
+    return items[rep % len(items):] + items[: rep % len(items)]
 
 
 def measure(args, bench: config.BenchConfig, logs: Path) -> dict:
@@ -122,8 +134,7 @@ def measure(args, bench: config.BenchConfig, logs: Path) -> dict:
                   f"{pregeneration['share_with_anchor']:.0%} with an anchor", flush=True)
         runs = []
         for rep in range(shape["reps"]):
-            order = args.variants[rep % len(args.variants):] + args.variants[: rep % len(args.variants)]  # rotate
-            for position, name in enumerate(order):
+            for position, name in enumerate(_rotated(args.variants, rep)):
                 run = submit(run_variant, {
                     **base, "batch": shape["batch"], "steps": shape["steps"], "variant": bench.variants[name],
                     "bench": bench, "rep": rep, "order": position, "model_path": calibration["model_path"],
@@ -136,12 +147,41 @@ def measure(args, bench: config.BenchConfig, logs: Path) -> dict:
                 print(f"rep {rep + 1}/{shape['reps']} {name:15s} median {statistics.median(steps):.3f} s/step, "
                       f"peak RSS {run['peak_rss_mb']:.0f} MB, load {os.getloadavg()[0]:.2f}", flush=True)
                 runs.append(run)
-    return {"calibration": calibration, "pregeneration": pregeneration, "runs": runs}
+        regime_runs = _measure_regime(args, bench, submit, base, calibration, logs, tmp) if args.regime else None
+    return {"calibration": calibration, "pregeneration": pregeneration, "runs": runs, "regime_runs": regime_runs}
+
+
+def _measure_regime(args, bench, submit, base: dict, calibration: dict, logs: Path, tmp: str) -> dict:
+    """The regime runs (M optimizer steps per rollout batch), on as many prompts as the largest rollout batch."""
+    plan = args.regime
+    base = {**base, "prompts": plan["prompts"]}
+    anchors = None
+    if any(bench.variants[name].column for name in plan["variants"]):
+        anchors = submit(pregenerate_anchors, {
+            **base, "model_path": calibration["model_path"], "threshold": calibration["threshold"],
+            "output": os.path.join(tmp, "regime-anchors"), "log": str(logs / "regime-anchors.log"),
+        })
+    runs, schedule = [], regime.runs_of(plan)
+    for rep in range(plan["reps"]):
+        for position, (name, m, steps, warmup_steps) in enumerate(_rotated(schedule, rep)):
+            run = submit(run_variant, {
+                **base, "batch": plan["batch"], "steps": steps, "mini_batches": m, "warmup_steps": warmup_steps,
+                "variant": bench.variants[name], "bench": bench, "rep": rep, "order": position,
+                "model_path": calibration["model_path"], "threshold": calibration["threshold"],
+                "output_dir": os.path.join(tmp, f"regime-{name}-{m}-{rep}"), "lr": args.lr, "lr_lora": args.lr_lora,
+                "log": str(logs / f"regime-{name}-M{m}-{rep}.log"), "anchors_path": anchors and anchors["path"],
+            })
+            cost = statistics.mean(s["step_s"] for s in run["steps"][warmup_steps:])
+            print(f"regime rep {rep + 1}/{plan['reps']} {name:15s} M={m:<3d} {cost:.3f} s per optimizer step, "
+                  f"peak RSS {run['peak_rss_mb']:.0f} MB, load {os.getloadavg()[0]:.2f}", flush=True)
+            runs.append(run)
+    return {"meta": {**plan, "pregeneration": anchors}, "runs": runs}
 
 
 def main(argv: list | None = None) -> int:
-    bench_path = Path(argv[argv.index("--bench-config") + 1]) if argv and "--bench-config" in argv else None
-    bench = config.load(bench_path or config.CONFIG_FILE)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--bench-config", default=str(config.CONFIG_FILE))
+    bench = config.load(first.parse_known_args(argv)[0].bench_config)
     args = parse_args(argv, bench)
     if args.from_json:
         return rerender(Path(args.from_json), Path(args.out), bench)
@@ -172,6 +212,9 @@ def main(argv: list | None = None) -> int:
         "targets": summary.check_targets(result_summary, bench),
         "runs": measured["runs"],
     }
+    if measured["regime_runs"]:
+        regime_runs = measured["regime_runs"]
+        result["regime"] = {**regime_runs, "summary": regime.summarize(regime_runs["runs"], bench)}
     text = report.write(result, out, bench)
     print()
     print(text)

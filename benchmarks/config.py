@@ -53,6 +53,7 @@ class BenchConfig:
     defaults: dict
     training: dict
     lora: dict
+    regime: dict  # {"variants": [...], "mini_batches": [...]}
 
     @property
     def baselines(self) -> tuple:
@@ -84,11 +85,15 @@ def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
     config = BenchConfig(
         variants=variants, baseline=raw["baselines"]["full"], lora_baseline=raw["baselines"]["lora"],
         targets=targets, presets=raw["presets"], defaults=raw["defaults"], training=raw["training"], lora=raw["lora"],
+        regime=raw.get("regime") or {"variants": [], "mini_batches": []},
     )
-    for name in config.baselines + tuple(n for t in targets for n in (t.variant, t.base)):
+    named = config.baselines + tuple(n for t in targets for n in (t.variant, t.base)) + tuple(config.regime["variants"])
+    for name in named:
         if name not in variants:
             raise ValueError(f"{path}: {name!r} is not a variant")
     for target in targets:
         if target.quantity not in QUANTITIES:
             raise ValueError(f"{path}: target {target.label!r}: quantity must be one of {QUANTITIES}")
+    if any(not isinstance(m, int) or m < 1 for m in config.regime["mini_batches"]):
+        raise ValueError(f"{path}: regime mini_batches must be positive integers")
     return config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks import regime
 from benchmarks.config import BenchConfig
 from benchmarks.instruments import PARTS
 
@@ -126,6 +127,8 @@ def format_report(result: dict, bench: BenchConfig) -> str:
         _header(meta) + _step_table(summary, bench.baseline, bench.lora_baseline) + _pregeneration(meta)
         + _split_table(summary) + _targets_table(meta, result["targets"]) + _notes(meta, summary, bench)
     )
+    if "regime" in result:
+        lines += regime.table(result["regime"], bench)
     return "\n".join(lines) + "\n"
 
 

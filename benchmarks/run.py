@@ -43,11 +43,13 @@ def run_variant(task: dict) -> dict:
         "total_params": sum(p.numel() for p in trainer.model.parameters()),
         "calls": dict(timers.calls),
     }
+    if "mini_batches" in task:
+        result.update(mini_batches=task["mini_batches"], warmup_steps=task["warmup_steps"])
     for key in METRICS:
         values = [h[key] for h in trainer.state.log_history if key in h]
         if values:
             result.setdefault("metrics", {})[key] = values
-    if variant.armor and trainer.reference is not None:
+    if variant.armor and trainer.reference is not None and "mini_batches" not in task:
         result.update(_reset_cost(trainer, task["reset_repeats"]))
         result.update(_whatifs(trainer, task))
     return result

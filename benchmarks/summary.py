@@ -142,7 +142,8 @@ def check_targets(summary: dict, bench: BenchConfig) -> list:
             spread = [ratios[target.quantity + "_paired"]["min"], ratios[target.quantity + "_paired"]["max"]]
             if target.quantity == "step":
                 cpu, mean = ratios["cpu"], ratios["step_mean"]
-        met = None if value is None else bool(value < target.bound if target.quantity == "lora_reset" else value <= target.bound)
+        below = value < target.bound if target.quantity == "lora_reset" else value <= target.bound
+        met = None if value is None else bool(below)
         rows.append({"target": target.label, "bound": target.bound, "measured": value, "paired_min_max": spread,
                      "measured_cpu_time": cpu, "measured_mean_step": mean, "met": met})
     return rows

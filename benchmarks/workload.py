@@ -145,6 +145,8 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
         num_generations=task["g"], max_completion_length=task["completion"], max_steps=task["steps"],
         learning_rate=task["lr_lora"] if variant.lora else task["lr"], beta=variant.beta, seed=task["seed"],
     )
+    if "mini_batches" in task:  # a regime run: M optimizer steps per rollout batch
+        common["steps_per_generation"] = task["mini_batches"]
     if variant.trainer == "armor_trl":
         args = ArmorConfig(
             **common, anchor_num_samples=task["k"], anchor_reward_threshold=task["threshold"],

@@ -23,6 +23,9 @@ CONFIGS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
     "grpo_dynamic", "armor_dynamic", "armor_column", "armor_column_lora",
 ]
+REGIME_VARIANTS = [
+    "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_column", "grpo_b004_lora", "armor_lora", "armor_column_lora",
+]
 PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "other"]
 
 
@@ -34,6 +37,7 @@ def test_bench_config_is_data_and_checked(tmp_path):
     assert {name for name, v in bench.variants.items() if v.armor and v.trainer == "armor_trl"} == {
         n for n in CONFIGS if n.startswith("armor_")}
     assert set(bench.presets) == {"full", "smoke", "memory"}
+    assert bench.regime == {"variants": REGIME_VARIANTS, "mini_batches": [1, 4, 16]}
     bad = tmp_path / "bench.yaml"
     text = config.CONFIG_FILE.read_text()
     bad.write_text(text.replace("trainer: trl\n    beta: 0.0\n", "trainer: trl\n    armor: true\n", 1))
@@ -70,7 +74,7 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert set(result) == {"meta", "summary", "targets", "runs"}
+    assert set(result) == {"meta", "summary", "targets", "runs", "regime"}
     meta = result["meta"]
     assert meta["mode"] == "smoke" and meta["g"] == 8 and meta["k"] == 4 and meta["reps"] == 1
     assert meta["configs"] == CONFIGS
@@ -123,12 +127,30 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     ]
     assert all(isinstance(t["met"], bool) and t["measured"] > 0 for t in result["targets"])
 
+    # the paper's regime: M optimizer steps per rollout batch, cost per optimizer step
+    regime = result["regime"]
+    assert regime["meta"]["mini_batches"] == [1, 4, 16]
+    assert regime["meta"]["variants"] == REGIME_VARIANTS and list(regime["summary"]) == REGIME_VARIANTS
+    assert len(regime["runs"]) == len(REGIME_VARIANTS) * 3
+    for run in regime["runs"]:  # whole rollout batches: a multiple of M optimizer steps
+        assert len(run["steps"]) % run["mini_batches"] == 0 and len(run["steps"]) > run["warmup_steps"]
+    for name, by_m in regime["summary"].items():
+        assert list(by_m) == ["1", "4", "16"], name
+        for m, entry in by_m.items():
+            assert entry["cost_per_step_s"]["median"] > 0 and set(entry["split_s"]) == set(PARTS), (name, m)
+            assert entry["vs_grpo_b004"]["step"] > 0 and entry["vs_grpo_b004"]["rss"] > 0, (name, m)
+    assert regime["summary"]["grpo_b004"]["16"]["vs_grpo_b004"]["step"] == 1.0
+    assert regime["summary"]["armor_full"]["16"]["split_s"]["anchor_gen"] > 0
+    assert regime["summary"]["armor_column"]["16"]["split_s"]["anchor_gen"] == 0.0
+    assert regime["meta"]["pregeneration"]["prompts"] == regime["meta"]["prompts"] == 16 // 8 * 16
+
     table = (tmp_path / "bench.md").read_text()
     assert table in proc.stdout
     for name in CONFIGS:
         assert f"| {name} |" in table
     assert "| config | policy_gen | anchor_gen |" in table
     assert "| target | measured" in table
+    assert "| config | M | s/opt step" in table and "| armor_lora | 16 |" in table
 
     # the tables can be rendered again from the saved raw runs, without training
     again = subprocess.run(

@@ -1,0 +1,121 @@
+"""The paper's update regime (issue 20): M optimizer steps per rollout batch, reported as cost per optimizer step.
+
+A regime run trains with TRL's ``steps_per_generation = M`` (rollout batch = M mini-batches of ``batch`` rows,
+``generation_batch_size = M x batch``), for whole rollout batches: ``warmup_cycles`` not measured, then enough to
+measure at least ``measured_steps`` optimizer steps. Its cost per optimizer step is the mean over the measured
+steps, so that each rollout (generation, anchors, log-prob forwards) is spread over its M steps. Every M trains on
+the same prompts: as many as the largest rollout batch holds (TRL's sampler needs a full batch of distinct prompts).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from benchmarks.config import BenchConfig
+from benchmarks.instruments import PARTS
+from benchmarks.summary import stats
+
+# phases shown in the regime table (seconds per optimizer step); ref_fwd here also holds the old-policy log-probs
+# that TRL computes during the rollout when M > 1
+TABLE_PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "loss_bwd")
+
+
+def plan(bench: BenchConfig, preset: dict, variants: list, mini_batches: list, shape: dict, g: int) -> dict | None:
+    """What the regime runs: variants (those of the run that the regime lists), M values, steps and prompts."""
+    settings = preset.get("regime")
+    names = [name for name in bench.regime["variants"] if name in variants]
+    if not settings or not names or not mini_batches:
+        return None
+    groups = shape["batch"] // g
+    return {
+        "variants": names, "mini_batches": list(mini_batches), "reps": settings["reps"],
+        "warmup_cycles": settings["warmup_cycles"], "measured_steps": settings["measured_steps"],
+        "prompts": max(shape["prompts"], groups * max(mini_batches)), "batch": shape["batch"],
+    }
+
+
+def runs_of(regime: dict) -> list:
+    """(variant, M, steps, warm-up steps) of one repetition, in schedule order."""
+    out = []
+    for name in regime["variants"]:
+        for m in regime["mini_batches"]:
+            cycles = regime["warmup_cycles"] + math.ceil(regime["measured_steps"] / m)
+            out.append((name, m, cycles * m, regime["warmup_cycles"] * m))
+    return out
+
+
+def summarize(runs: list, bench: BenchConfig) -> dict:
+    """Per variant and M: cost per optimizer step (median over repetitions [min–max]), its split, peak RSS, and
+    ratios to the baselines at the same M (ratio of medians, paired by repetition)."""
+    groups: dict = {}
+    for run in runs:
+        run["cost_per_step_s"] = statistics.mean(s["step_s"] for s in run["steps"][run["warmup_steps"]:])
+        groups.setdefault((run["config"], run["mini_batches"]), []).append(run)
+    summary: dict = {}
+    for (name, m), group in groups.items():
+        measured = [run["steps"][run["warmup_steps"]:] for run in group]
+        summary.setdefault(name, {})[str(m)] = {
+            "cost_per_step_s": stats([run["cost_per_step_s"] for run in group]),
+            "split_s": {p: statistics.median(statistics.mean(s["split"][p] for s in steps) for steps in measured)
+                        for p in PARTS},
+            "peak_rss_mb": stats([run["peak_rss_mb"] for run in group]),
+            "measured_steps": len(measured[0]),
+        }
+    for name, by_m in summary.items():
+        for m, entry in by_m.items():
+            for base in bench.baselines:
+                if base in summary and m in summary[base]:
+                    entry["vs_" + base] = _ratios(groups[(name, int(m))], groups[(base, int(m))])
+    return summary
+
+
+def _ratios(runs: list, base_runs: list) -> dict:
+    def median(rs, key):
+        return statistics.median(r[key] for r in rs)
+
+    def paired(key):
+        by_rep = {r["rep"]: r for r in base_runs}
+        return stats([r[key] / by_rep[r["rep"]][key] for r in runs if r["rep"] in by_rep])
+
+    return {
+        "step": median(runs, "cost_per_step_s") / median(base_runs, "cost_per_step_s"),
+        "step_paired": paired("cost_per_step_s"),
+        "rss": median(runs, "peak_rss_mb") / median(base_runs, "peak_rss_mb"),
+        "rss_paired": paired("peak_rss_mb"),
+    }
+
+
+def table(regime: dict, bench: BenchConfig) -> list:
+    """Markdown lines of the regime table."""
+    meta, summary = regime["meta"], regime["summary"]
+    base, lora = bench.baseline, bench.lora_baseline
+    f = lambda v, d=2: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
+    lines = [
+        "",
+        f"Regime: cost per optimizer step with M mini-batches of {meta['batch']} rows per rollout batch "
+        f"(steps_per_generation = M): mean over whole rollout batches (at least {meta['measured_steps']} optimizer "
+        f"steps) after {meta['warmup_cycles']} warm-up rollout batch(es), median over {meta['reps']} repetition(s) "
+        f"[min–max]; ratios at the same M, paired by repetition; {meta['prompts']} prompts. Phases in s per optimizer "
+        "step (ref_fwd includes the old-policy log-probs TRL computes when M > 1).",
+        "",
+        f"| config | M | s/opt step [min–max] | × {base} (paired) | × {lora} (paired) | × RSS {base} | "
+        + " | ".join(TABLE_PARTS) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(TABLE_PARTS),
+    ]
+    for name, by_m in summary.items():
+        for m, e in by_m.items():
+            c, v, vl = e["cost_per_step_s"], e.get("vs_" + base, {}), e.get("vs_" + lora, {})
+            lines.append(
+                f"| {name} | {m} | {f(c['median'], 3)} [{f(c['min'], 3)}–{f(c['max'], 3)}] | {_ratio_cell(v)} | "
+                f"{_ratio_cell(vl)} | {f(v.get('rss'), 3)} | "
+                + " | ".join(f"{e['split_s'][p]:.3f}" for p in TABLE_PARTS) + " |"
+            )
+    return lines
+
+
+def _ratio_cell(ratios: dict) -> str:
+    if not ratios:
+        return "—"
+    paired = ratios["step_paired"]
+    return f"{ratios['step']:.2f} ({paired['min']:.2f}–{paired['max']:.2f})"
