@@ -1,4 +1,7 @@
-"""Shared fixtures: offline environment, a tiny local model, small datasets and trainer factories."""
+"""Shared fixtures: offline environment, a tiny local model, small datasets.
+
+Helpers (reward functions, trainer factories, recorders) live in testing.py; no test module imports conftest.
+"""
 
 from __future__ import annotations
 
@@ -41,36 +44,3 @@ def chat_dataset() -> Dataset:
             "answer": [str(2 * i + 1) for i in range(32)],
         }
     )
-
-
-def has_digit_reward(completions, **kwargs):
-    """1.0 when the completion contains a digit: random tiny models hit it about half the time."""
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [float(any(ch.isdigit() for ch in text)) for text in texts]
-
-
-def cpu_args(**overrides) -> dict:
-    """Arguments for a fast, deterministic CPU run of a few steps."""
-    args = dict(
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=3,
-        learning_rate=1e-2,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        seed=42,
-        disable_tqdm=True,
-    )
-    args.update(overrides)
-    return args
-
-
-def digit_share_reward(completions, **kwargs):
-    """Share of digits in the completion: a graded reward, so groups almost never have zero variance."""
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in texts]

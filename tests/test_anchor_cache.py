@@ -2,10 +2,8 @@
 
 from datasets import Dataset
 
-from armor_trl import trl_seam as seam
 from armor_trl.anchors import AnchorCache
-from conftest import digit_share_reward
-from test_trainer import logged, make_trainer
+from testing import count_reference_rows, digit_share_reward, logged, make_trainer
 
 
 def test_cache_is_lru_bounded_and_invalidated_by_a_new_reference():
@@ -32,19 +30,6 @@ def test_cache_state_round_trip():
 
 def two_prompts():
     return Dataset.from_dict({"prompt": ["1+2=", "3+4="] * 8})
-
-
-def count_reference_rows(monkeypatch, trainer):
-    rows = []
-    original = seam.generate
-
-    def recording(t, prompt_ids, num_generations):
-        if t.model_wrapped is trainer.reference.model:
-            rows.append(len(prompt_ids))
-        return original(t, prompt_ids, num_generations)
-
-    monkeypatch.setattr(seam, "generate", recording)
-    return rows
 
 
 def test_cached_prompts_sample_no_new_candidates(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
@@ -117,7 +102,7 @@ def test_remembering_failures_saves_reference_calls(tiny_model_path, tiny_tokeni
 
 def test_failures_need_the_anchor_cache(tmp_path):
     from armor_trl import ArmorConfig
-    from conftest import cpu_args
+    from testing import cpu_args
 
     import pytest
 
@@ -143,7 +128,7 @@ def test_several_anchors_per_prompt_rotate_once_the_prompt_is_full():
 
 
 def test_trainer_keeps_and_rotates_several_anchors(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
-    from test_trainer import capture_rounds
+    from testing import capture_rounds
 
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path, reward_funcs=digit_share_reward,
@@ -169,7 +154,7 @@ def test_several_anchors_per_prompt_need_the_cache(tmp_path):
     import pytest
 
     from armor_trl import ArmorConfig
-    from conftest import cpu_args
+    from testing import cpu_args
 
     with pytest.raises(ValueError, match="anchor_cache_per_prompt > 1 needs anchor_cache=True"):
         ArmorConfig(output_dir=str(tmp_path), anchor_cache_per_prompt=2, **cpu_args())

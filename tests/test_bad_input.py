@@ -8,8 +8,7 @@ from transformers import AutoTokenizer
 
 from armor_trl import ArmorConfig
 from armor_trl.reward_checks import RewardFunctionError
-from conftest import cpu_args, has_digit_reward
-from test_trainer import logged, make_trainer
+from testing import cpu_args, has_digit_reward, logged, make_trainer
 
 
 def test_anchor_cache_size_below_one(tmp_path):

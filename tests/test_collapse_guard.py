@@ -14,8 +14,7 @@ from armor_trl import ArmorConfig
 from armor_trl.collapse_guard import best_index, collapse_detected
 from armor_trl.evaluation import ValidationCallback
 from armor_trl.reference import STATE_FILE
-from conftest import cpu_args, digit_share_reward
-from test_trainer import capture_rounds, make_trainer
+from testing import capture_rounds, cpu_args, digit_share_reward, make_trainer
 
 
 # --- the rule ------------------------------------------------------------------------------------------------------
@@ -171,7 +170,7 @@ def test_rollback_action_restores_the_best_checkpoint_and_keeps_the_method(
 def test_resume_after_the_switch_continues_in_armor_mode_with_the_same_reference(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    from test_resume import StopAt
+    from testing import StopAt
 
     saving = dict(save_strategy="steps", save_steps=1)
     straight = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "straight", **saving)
@@ -200,7 +199,7 @@ def test_resume_after_the_switch_continues_in_armor_mode_with_the_same_reference
 def test_resume_before_the_switch_stays_dormant_until_the_rule_fires(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    from test_resume import StopAt
+    from testing import StopAt
 
     saving = dict(save_strategy="steps", save_steps=1, max_steps=6)
     first = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, **saving)
@@ -228,7 +227,7 @@ def test_collapse_guard_config_errors_name_the_field():
 def test_dormant_stage_trains_exactly_like_grpo_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     from trl import GRPOConfig, GRPOTrainer
 
-    from conftest import has_digit_reward
+    from testing import has_digit_reward
 
     common = cpu_args(max_steps=2)
     grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, train_dataset=prompt_dataset,

@@ -8,9 +8,7 @@ from armor_trl import ArmorConfig
 from armor_trl.anchors import anchor_rows
 from armor_trl.column_anchors import ColumnAnchors, anchor_texts
 from armor_trl.reference import ReferencePolicy
-from conftest import cpu_args
-from test_anchor_cache import count_reference_rows
-from test_trainer import capture_rounds, logged, make_trainer
+from testing import capture_rounds, count_reference_rows, cpu_args, logged, make_trainer
 
 
 def anchor_ids(tokenizer, text):

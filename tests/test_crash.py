@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 from armor_trl.reference import STATE_FILE
+from testing import SCRIPTS
 
-SCRIPT = Path(__file__).with_name("crash_train_script.py")
+SCRIPT = SCRIPTS / "crash_train_script.py"
 
 
 def complete_checkpoints(output_dir: Path) -> list[int]:

@@ -21,12 +21,8 @@ from armor_trl.datasets import (
     load_rlvr_dataset,
 )
 from armor_trl.rewards import math_verify_reward
+from testing import GSM8K_ROWS, write_parquet
 
-GSM8K_ROWS = [
-    {"question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
-     "answer": "In May she sold 48/2 = <<48/2=24>>24.\nIn total 48+24 = <<48+24=72>>72.\n#### 72"},
-    {"question": "A farm has 1,200 hens and buys 34 more. How many now?", "answer": "1200+34=1234\n#### 1,234"},
-]
 MATH_ROWS = [  # hendrycks MATH: the answer only inside the solution's \boxed{}
     {"problem": "What is $\\frac{1}{2} + \\frac{1}{4}$?", "level": "Level 1",
      "solution": "We get $\\frac{2}{4} + \\frac{1}{4} = \\boxed{\\frac{3}{4}}$."},
@@ -45,11 +41,6 @@ AIME_ROWS = [{"id": 60, "problem": "Find the remainder when $2^{10}$ is divided 
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
-
-
-def write_parquet(path, rows):
-    Dataset.from_list(rows).to_parquet(str(path))
     return str(path)
 
 

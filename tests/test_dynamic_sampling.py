@@ -6,27 +6,12 @@ when n % 3 == 0, by none when n % 3 == 1, and by every other sample (row parity)
 
 import pytest
 import torch
-from datasets import Dataset
 
 from armor_trl.advantages import group_advantages
 from armor_trl.refill import RefillSampler, concat_rows, take_rows
-from conftest import has_digit_reward
-from test_resume import StopAt
-from test_trainer import logged, make_trainer, trainable_state
+from testing import StopAt, has_digit_reward, logged, make_trainer, numbers_dataset, scripted, trainable_state
 
 G = 4
-
-
-def scripted(completions, prompts, **kwargs):
-    rewards = []
-    for position, prompt in enumerate(prompts):
-        n = int(prompt.split("+")[0])
-        rewards.append(1.0 if n % 3 == 0 else 0.0 if n % 3 == 1 else float(position % 2 == 0))
-    return rewards
-
-
-def numbers_dataset(numbers):
-    return Dataset.from_dict({"prompt": [f"{n}+{n + 1}=" for n in numbers], "answer": [str(2 * n + 1) for n in numbers]})
 
 
 def capture_batches(trainer):

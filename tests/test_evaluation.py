@@ -18,7 +18,7 @@ from armor_trl.evaluation import (
     NothingJudgedError, ValidationCallback, evaluate, evaluate_with_trainer, pass_at_k, sample_completions, shard,
 )
 from armor_trl.rewards import exact_integer_reward
-from conftest import cpu_args, has_digit_reward
+from testing import cpu_args, has_digit_reward
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8])

@@ -18,7 +18,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from test_datasets import GSM8K_ROWS, write_parquet
+from testing import GSM8K_ROWS, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_TEST = REPO / "tests" / "fixtures" / "gsm8k_test_late_numbers.jsonl"  # 3 GSM8K test rows

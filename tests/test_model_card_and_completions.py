@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from conftest import cpu_args, has_digit_reward
+from testing import cpu_args, has_digit_reward
 
 
 def make_trainer(tiny_model_path, tiny_tokenizer, dataset, output_dir, **overrides):

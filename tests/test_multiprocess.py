@@ -1,6 +1,6 @@
 """ARMOR in several processes on CPU: DDP (torchrun) and DeepSpeed ZeRO-2 / ZeRO-3 (accelerate launch), gloo backend.
 
-Each run trains the tiny model for 3 steps with 2 processes (tests/mp_train_script.py) and every process writes
+Each run trains the tiny model for 3 steps with 2 processes (tests/scripts/mp_train_script.py) and every process writes
 what it saw; the assertions read those files:
 
 * ARMOR trains: the policy moves, and stays identical on every process;
@@ -24,18 +24,16 @@ opt-in (``ARMOR_TEST_ZERO3_OFFLOAD=1``): its first launch also compiles DeepSpee
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "tests" / "mp_train_script.py"
-ACCELERATE_CONFIGS = REPO / "configs" / "accelerate"
+from testing import ACCELERATE_CONFIGS, SCRIPTS, _free_port, _launch
+
+SCRIPT = SCRIPTS / "mp_train_script.py"
 NUM_PROCESSES = 2
 MAX_STEPS = 3
 RESET_STEPS = 2
@@ -43,53 +41,9 @@ SAVE_STEPS = 2  # checkpoints at steps 2 (right after the reset) and 3
 # Two reference candidates per group: some groups find no verified anchor, so the empty-slot path is exercised.
 COMMON_ARGS = ["--max_steps", str(MAX_STEPS), "--ref_reset_steps", str(RESET_STEPS), "--anchor_num_samples", "2"]
 SAVING = ["--save_steps", str(SAVE_STEPS)]
-LAUNCH_TIMEOUT = 420  # generous for a shared 2-core machine; a healthy run takes 20-60 s
 TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 # Metrics that differ between a 1-process and a 2-process run of the same global batch only through sampling.
 STRUCTURAL_METRICS = ("armor/ref_resets", "armor/kl_reverse_policy", "armor/ratio_policy_mean")
-
-
-def _env() -> dict:
-    env = os.environ.copy()
-    env.update(
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        HF_HUB_DISABLE_TELEMETRY="1",
-        TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launch(command: list[str], out: Path, processes: int) -> list[dict]:
-    """Run a launcher command; return the per-process result files, in rank order."""
-    try:
-        done = subprocess.run(
-            command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
-        )
-    except subprocess.TimeoutExpired as error:
-        tail = (error.stdout or b"")[-4000:] if isinstance(error.stdout, bytes) else (error.stdout or "")[-4000:]
-        pytest.fail(f"{' '.join(command)} timed out after {LAUNCH_TIMEOUT}s:\n{tail}")
-    if done.returncode != 0:
-        log = done.stdout + done.stderr
-        errors = [line for line in log.splitlines() if "Error" in line or "error" in line]
-        pytest.fail(
-            f"{' '.join(map(str, command))} exited with {done.returncode}.\nError lines:\n"
-            + "\n".join(errors[-10:])
-            + f"\n--- output tail ---\n{log[-6000:]}"
-        )
-    files = sorted(out.glob("rank*.json"))
-    assert len(files) == processes, f"expected {processes} result files, got {[f.name for f in files]}"
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
 
 
 def run_torchrun(model: str, out: Path, *extra: str) -> list[dict]:

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from test_multiprocess import REPO, _free_port, _launch
+from testing import SCRIPTS, _free_port, _launch
 
-SCRIPT = REPO / "tests" / "mp_dynamic_sampling_script.py"
+SCRIPT = SCRIPTS / "mp_dynamic_sampling_script.py"
 pytestmark = pytest.mark.slow
 
 

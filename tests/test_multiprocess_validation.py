@@ -1,7 +1,7 @@
 """Validation through the trainer's generation path, sharded over 2 processes on CPU (gloo): DDP via torchrun and
 DeepSpeed ZeRO-3 via accelerate launch give exactly the avg@k / pass@k of one process.
 
-tests/mp_validation_script.py validates 7 problems (so one shard is padded) with n = 4 samples, one problem per
+tests/scripts/mp_validation_script.py validates 7 problems (so one shard is padded) with n = 4 samples, one problem per
 generation call: each call is seeded from its problem, so a problem's samples do not depend on which process
 draws them or on the other problems, and the counts must agree exactly, sampled (temperature 1, top-p 0.9) as well
 as greedy. Training runs at learning rate 0 so the validated weights are the initial ones in every run.
@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from test_multiprocess import ACCELERATE_CONFIGS, REPO, _env, _free_port, _launch
+from testing import ACCELERATE_CONFIGS, REPO, SCRIPTS, _env, _free_port, _launch
 
-SCRIPT = REPO / "tests" / "mp_validation_script.py"
+SCRIPT = SCRIPTS / "mp_validation_script.py"
 PROCESSES = 2
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,7 @@ from armor_trl import pregenerate
 from armor_trl.anchors import anchor_rows
 from armor_trl.cli import main
 from armor_trl.pregenerate import AnchorSettings, TransformersSampler, finalize, generate_shards, prepare_output
-from conftest import has_digit_reward
-from test_anchor_cache import count_reference_rows
-from test_trainer import capture_rounds, logged, make_trainer
+from testing import capture_rounds, count_reference_rows, has_digit_reward, logged, make_trainer
 
 
 def settings_for(path, **overrides):
@@ -128,10 +126,10 @@ def test_chat_prompts_pregenerated_then_trained_on(chat_dataset, tiny_model_path
 
 
 def test_cli_two_step_workflow(tiny_model_path, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(os.path.dirname(__file__))  # the recipe names its reward by import path (conftest:...)
+    monkeypatch.chdir(os.path.dirname(__file__))  # the recipe names its reward by import path (testing:...)
     recipe = dict(
         model_name_or_path=tiny_model_path, dataset_name="arithmetic", arithmetic_train_size=10,
-        reward_funcs=["conftest:has_digit_reward"], output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False,
+        reward_funcs=["testing:has_digit_reward"], output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=1, report_to="none",
         save_strategy="no", seed=0,
     )

@@ -6,8 +6,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from armor_trl.reference import reset_due
-from conftest import digit_share_reward
-from test_trainer import make_trainer as _make_trainer
+from testing import digit_share_reward, make_trainer as _make_trainer
 
 
 def make_trainer(*args, **kwargs):

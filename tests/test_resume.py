@@ -6,22 +6,11 @@ import os
 import pytest
 import torch
 from peft import LoraConfig
-from transformers import TrainerCallback
 
 from armor_trl.reference import STATE_FILE
-from conftest import digit_share_reward
-from test_trainer import make_trainer
+from testing import StopAt, digit_share_reward, make_trainer
 
 LORA = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), learning_rate=5e-2)
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def run(tiny_model_path, tiny_tokenizer, dataset, output_dir, stop_at=None, resume=None, **extra):

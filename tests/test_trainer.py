@@ -10,30 +10,7 @@ from trl import GRPOConfig, GRPOTrainer
 from armor_trl import ArmorConfig, ArmorGRPOTrainer, mixed_logprobs
 from armor_trl import trl_seam as seam
 from armor_trl.anchors import anchor_rows
-from conftest import cpu_args, has_digit_reward
-
-
-def make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, reward_funcs=has_digit_reward, **overrides):
-    peft_config = overrides.pop("peft_config", None)
-    ref_model = overrides.pop("ref_model", None)
-    args = ArmorConfig(output_dir=str(tmp_path), **cpu_args(**overrides))
-    return ArmorGRPOTrainer(
-        model=tiny_model_path,
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tiny_tokenizer,
-        peft_config=peft_config,
-        ref_model=ref_model,
-    )
-
-
-def trainable_state(trainer):
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-
-
-def logged(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
+from testing import capture_rounds, cpu_args, has_digit_reward, logged, make_trainer, trainable_state
 
 
 # --- drop-in guarantee ---------------------------------------------------------------------------------------------
@@ -85,20 +62,6 @@ def test_alpha_one_without_anchors_matches_grpo(tiny_model_path, tiny_tokenizer,
 
 
 # --- anchor rollout ------------------------------------------------------------------------------------------------
-def capture_rounds(trainer):
-    """Record the output of every generation round."""
-    rounds = []
-    original = trainer._generate_and_score_completions
-
-    def wrapped(inputs):
-        output = original(inputs)
-        rounds.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in output.items()})
-        return output
-
-    trainer._generate_and_score_completions = wrapped
-    return rounds
-
-
 def test_anchors_come_from_the_reference_and_join_their_group(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2, anchor_num_samples=4)
     generation_calls = []

@@ -19,7 +19,7 @@ def test_surface_check_detects_a_missing_method(monkeypatch):
 
 
 def test_private_attributes_we_touch_exist_on_a_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    from test_trainer import make_trainer
+    from testing import make_trainer
 
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
     missing = [name for name in trl_seam.ATTRIBUTES if not hasattr(trainer, name)]

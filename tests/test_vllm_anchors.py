@@ -7,7 +7,7 @@ vLLM cannot be installed on CPU machines, so the engine is a fake with VLLMGener
 import torch
 from peft import LoraConfig
 
-from test_trainer import capture_rounds, logged, make_trainer
+from testing import capture_rounds, logged, make_trainer
 
 
 class FakeEngine:
@@ -99,7 +99,7 @@ def test_lora_modules_to_save_with_vllm_anchors_is_refused(tiny_model_path, tiny
 
 
 def test_refill_rounds_use_the_engine_and_push_the_policy_back(tiny_model_path, tiny_tokenizer, tmp_path):
-    from test_dynamic_sampling import numbers_dataset, scripted
+    from testing import numbers_dataset, scripted
 
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, numbers_dataset(range(30)), tmp_path, max_steps=3, anchor_num_samples=2,

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_armor_trains_with_vllm_colocate(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     from armor_trl import ArmorConfig, ArmorGRPOTrainer
-    from conftest import cpu_args, digit_share_reward
+    from testing import cpu_args, digit_share_reward
 
     args = ArmorConfig(
         output_dir=str(tmp_path),

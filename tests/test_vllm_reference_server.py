@@ -13,8 +13,7 @@ from transformers import TrainerCallback
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from armor_trl.reference import ReferencePolicy, adapter_parameters
 from armor_trl.vllm_reference import ReferenceServer
-from conftest import cpu_args
-from test_trainer import capture_rounds
+from testing import capture_rounds, cpu_args
 
 REFERENCE_URL = "http://localhost:8001"
 

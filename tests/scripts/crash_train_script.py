@@ -5,12 +5,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for testing.py
 
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
-from conftest import cpu_args, digit_share_reward  # noqa: E402
+from testing import cpu_args, digit_share_reward  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 

@@ -2,10 +2,10 @@
 
 Launched by tests/test_multiprocess.py, e.g.
 
-    torchrun --nproc_per_node 2 tests/mp_train_script.py --model DIR --out DIR --ddp_backend gloo
+    torchrun --nproc_per_node 2 tests/scripts/mp_train_script.py --model DIR --out DIR --ddp_backend gloo
     accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 2 --mixed_precision no \
-        tests/mp_train_script.py --model DIR --out DIR --ddp_backend gloo --no_cpu
-    python tests/mp_train_script.py --model DIR --out DIR --per_device_train_batch_size 16   # one process
+        tests/scripts/mp_train_script.py --model DIR --out DIR --ddp_backend gloo --no_cpu
+    python tests/scripts/mp_train_script.py --model DIR --out DIR --per_device_train_batch_size 16   # one process
 
 Every process writes ``OUT/rank{R}.json`` with its own observations:
 
@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 
 import contextlib  # noqa: E402
 
@@ -92,12 +92,15 @@ class RecordingTrainer(ArmorGRPOTrainer):
         self.rounds = []
         self._pending_round = None
         super().__init__(*args, **kwargs)
+        if self.anchor_rollout is not None:
+            sample = self.anchor_rollout.sample
+            self.anchor_rollout.sample = lambda ids, inputs: self._sample_anchors(sample, ids, inputs)
 
-    def _sample_anchors(self, group_prompt_ids, group_inputs):
+    def _sample_anchors(self, sample, group_prompt_ids, group_inputs):
         calls_before = len(RECORD["calls"])
         RECORD["phase"] = "candidates"
         try:
-            anchors = super()._sample_anchors(group_prompt_ids, group_inputs)
+            anchors, anchor_round = sample(group_prompt_ids, group_inputs)
         finally:
             RECORD["phase"] = "rollout"
         k = self.args.anchor_num_samples
@@ -114,9 +117,9 @@ class RecordingTrainer(ArmorGRPOTrainer):
             ],
             "candidate_prompts_match": candidate_prompts
             == [row["prompt"] for row in group_inputs for _ in range(k)],
-            "found": self._armor_round["found"].tolist(),
+            "found": anchor_round.found.tolist(),
         }
-        return anchors
+        return anchors, anchor_round
 
     def _generate_and_score_completions(self, inputs):
         calls_before = len(RECORD["calls"])
@@ -191,7 +194,10 @@ class StepRecorder(TrainerCallback):
 
 def read_checkpoints(output_dir: str) -> dict:
     """What ARMOR wrote beside each checkpoint: its state file and a checksum of the saved reference weights."""
-    from armor_trl.reference import REF_WEIGHTS_FILE, STATE_FILE
+    from safetensors.torch import load_file
+
+    from armor_trl.checkpoint import STATE_FILE, read_state
+    from armor_trl.reference import REF_WEIGHTS_FILE
 
     found = {}
     if not os.path.isdir(output_dir):
@@ -202,10 +208,9 @@ def read_checkpoints(output_dir: str) -> dict:
             continue
         entry = {"files": sorted(os.listdir(directory))}
         if os.path.exists(os.path.join(directory, STATE_FILE)):
-            with open(os.path.join(directory, STATE_FILE)) as f:
-                entry["state"] = json.load(f)
+            entry["state"] = read_state(directory)["parts"]["reference"]
         if os.path.exists(os.path.join(directory, REF_WEIGHTS_FILE)):
-            tensors = torch.load(os.path.join(directory, REF_WEIGHTS_FILE), map_location="cpu")
+            tensors = load_file(os.path.join(directory, REF_WEIGHTS_FILE))
             entry["reference_checksum"] = checksum({str(k): v.float() for k, v in tensors.items()})
         found[name] = entry
     return found

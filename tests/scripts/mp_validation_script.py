@@ -2,10 +2,10 @@
 
 Launched by tests/test_multiprocess_validation.py, e.g.
 
-    torchrun --nproc_per_node 2 tests/mp_validation_script.py --model DIR --out DIR --ddp_backend gloo
+    torchrun --nproc_per_node 2 tests/scripts/mp_validation_script.py --model DIR --out DIR --ddp_backend gloo
     accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 2 --mixed_precision no \
-        tests/mp_validation_script.py --model DIR --out DIR --ddp_backend gloo --no_cpu
-    python tests/mp_validation_script.py --model DIR --out DIR   # one process
+        tests/scripts/mp_validation_script.py --model DIR --out DIR --ddp_backend gloo --no_cpu
+    python tests/scripts/mp_validation_script.py --model DIR --out DIR   # one process
 
 A GRPOTrainer trains one step at learning rate 0 (the weights stay the initial ones, so every run validates the
 same model) with a ValidationCallback attached (validation at steps 0 and 1), then calls evaluate_with_trainer
@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402

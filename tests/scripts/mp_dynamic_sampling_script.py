@@ -14,14 +14,14 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for testing.py
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
-from test_dynamic_sampling import scripted  # noqa: E402
+from testing import scripted  # noqa: E402
 
 
 class Recording(ArmorGRPOTrainer):

@@ -1,0 +1,188 @@
+"""Helpers shared by the test modules: reward functions, trainer factories, recorders and the launch helpers.
+
+Imported as ``from testing import ...`` (pytest puts tests/ on ``sys.path``; the launch scripts in tests/scripts/
+add it themselves). Fixtures stay in conftest.py; no test module imports another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from armor_trl import ArmorConfig, ArmorGRPOTrainer
+from armor_trl import trl_seam as seam
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"  # what the tests launch in subprocesses (torchrun, accelerate, a killed run)
+ACCELERATE_CONFIGS = REPO / "configs" / "accelerate"
+LAUNCH_TIMEOUT = 420  # generous for a shared 2-core machine; a healthy run takes 20-60 s
+
+
+# --- reward functions ----------------------------------------------------------------------------------------------
+def has_digit_reward(completions, **kwargs):
+    """1.0 when the completion contains a digit: random tiny models hit it about half the time."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(any(ch.isdigit() for ch in text)) for text in texts]
+
+
+def digit_share_reward(completions, **kwargs):
+    """Share of digits in the completion: a graded reward, so groups almost never have zero variance."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in texts]
+
+
+def scripted(completions, prompts, **kwargs):
+    rewards = []
+    for position, prompt in enumerate(prompts):
+        n = int(prompt.split("+")[0])
+        rewards.append(1.0 if n % 3 == 0 else 0.0 if n % 3 == 1 else float(position % 2 == 0))
+    return rewards
+
+
+# --- trainers ------------------------------------------------------------------------------------------------------
+def cpu_args(**overrides) -> dict:
+    """Arguments for a fast, deterministic CPU run of a few steps."""
+    args = dict(
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=1e-2,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=42,
+        disable_tqdm=True,
+    )
+    args.update(overrides)
+    return args
+
+
+def make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, reward_funcs=has_digit_reward, **overrides):
+    peft_config = overrides.pop("peft_config", None)
+    ref_model = overrides.pop("ref_model", None)
+    args = ArmorConfig(output_dir=str(tmp_path), **cpu_args(**overrides))
+    return ArmorGRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tiny_tokenizer,
+        peft_config=peft_config,
+        ref_model=ref_model,
+    )
+
+
+def trainable_state(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+# --- recorders -----------------------------------------------------------------------------------------------------
+def capture_rounds(trainer):
+    """Record the output of every generation round."""
+    rounds = []
+    original = trainer._generate_and_score_completions
+
+    def wrapped(inputs):
+        output = original(inputs)
+        rounds.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in output.items()})
+        return output
+
+    trainer._generate_and_score_completions = wrapped
+    return rounds
+
+
+def count_reference_rows(monkeypatch, trainer):
+    rows = []
+    original = seam.generate
+
+    def recording(t, prompt_ids, num_generations):
+        if t.model_wrapped is trainer.reference.model:
+            rows.append(len(prompt_ids))
+        return original(t, prompt_ids, num_generations)
+
+    monkeypatch.setattr(seam, "generate", recording)
+    return rows
+
+
+# --- data ----------------------------------------------------------------------------------------------------------
+def numbers_dataset(numbers):
+    return Dataset.from_dict({"prompt": [f"{n}+{n + 1}=" for n in numbers], "answer": [str(2 * n + 1) for n in numbers]})
+
+
+GSM8K_ROWS = [
+    {"question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
+     "answer": "In May she sold 48/2 = <<48/2=24>>24.\nIn total 48+24 = <<48+24=72>>72.\n#### 72"},
+    {"question": "A farm has 1,200 hens and buys 34 more. How many now?", "answer": "1200+34=1234\n#### 1,234"},
+]
+
+
+def write_parquet(path, rows):
+    Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+# --- launching scripts in subprocesses (tests/scripts/) ------------------------------------------------------------
+def _env() -> dict:
+    env = os.environ.copy()
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(command: list[str], out: Path, processes: int) -> list[dict]:
+    """Run a launcher command; return the per-process result files, in rank order."""
+    try:
+        done = subprocess.run(
+            command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
+        )
+    except subprocess.TimeoutExpired as error:
+        tail = (error.stdout or b"")[-4000:] if isinstance(error.stdout, bytes) else (error.stdout or "")[-4000:]
+        pytest.fail(f"{' '.join(command)} timed out after {LAUNCH_TIMEOUT}s:\n{tail}")
+    if done.returncode != 0:
+        log = done.stdout + done.stderr
+        errors = [line for line in log.splitlines() if "Error" in line or "error" in line]
+        pytest.fail(
+            f"{' '.join(map(str, command))} exited with {done.returncode}.\nError lines:\n"
+            + "\n".join(errors[-10:])
+            + f"\n--- output tail ---\n{log[-6000:]}"
+        )
+    files = sorted(out.glob("rank*.json"))
+    assert len(files) == processes, f"expected {processes} result files, got {[f.name for f in files]}"
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
