@@ -315,3 +315,160 @@ def test_import_is_light():
             "print([m for m in ('torch', 'transformers', 'trl', 'math_verify') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --- hostile completions and gold answers (issue 19, items 1, 2 and 4) -------------------------------------------
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("7" * 5000, "7" * 5000, 1.0),  # past Python's 4,300-digit limit of int()
+    ("7" * 4999 + "8", "7" * 5000, 0.0),
+    ("0007" + "1" * 9000, "+7" + "1" * 9000, 1.0),  # sign and leading zeros aside, as int() compared them
+    ("-" + "9" * 6000, "9" * 6000, 0.0),
+    ("-0", "0", 1.0),
+    ("\u0664\u0667", "47", 1.0),  # Arabic-Indic digits, which int() read too
+    ("1" * 1_000_000, "1" * 999_999, 0.0),
+])
+def test_exact_integer_compares_integers_of_any_length(completion, answer, expected):
+    assert exact_integer_reward([completion], answer=[answer]) == [expected]
+
+
+def test_exact_integer_takes_whole_number_floats_as_integers():
+    """A column of integers with a missing value becomes floats (72.0) when read through pandas."""
+    assert exact_integer_reward(["72", "72"], answer=[72.0, 72]) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("text", ["\\boxed{" * 32_000, "\\boxed{x" * 28_000, "#### " + " " * 224_000,
+                                  "####\n" * 45_000, "x" * 224_000], ids=["boxed", "boxed-x", "hash-spaces",
+                                                                         "hash-lines", "plain"])
+def test_format_reward_is_linear_in_the_completion_length(text):
+    """224 k characters of \\boxed{ took 2.4 s (quadratic: about 50 s at 1 M); now milliseconds per megabyte."""
+    start = time.monotonic()
+    boxed_format_reward([text, text * 4])
+    assert time.monotonic() - start < 0.5
+
+
+@pytest.mark.parametrize("text", [r"so \boxed{3}", "#### 3", "3", r"\boxed{}", r"\boxed{}}", r"\boxed{ }",
+                                  "\\boxed{\n}", r"\boxed{a", "x\n####  5", "x ####5", "####\n\n7",
+                                  r"\boxed{} and \boxed{2}", r"} \boxed{", r"\boxed{{}", "", "####"])
+def test_format_reward_keeps_its_rule(text):
+    """The same verdicts as the pattern it replaced, ``\\boxed\\{.+\\}|^####\\s*\\S`` (multiline, dotall)."""
+    import re
+
+    rule = re.compile(r"\\boxed\{.+\}|^####\s*\S", re.MULTILINE | re.DOTALL)
+    assert boxed_format_reward([text]) == [float(rule.search(text) is not None)]
+
+
+@pytest.mark.parametrize("text", ["\\boxed{" * 150_000, "Answer: " + "a" * 30_000, ("\\boxed{1}" + "{" * 10) * 50_000],
+                         ids=["unclosed boxes", "a long word after Answer:", "closed box then unclosed braces"])
+def test_reading_the_final_answer_is_linear(text):
+    """The final answer of a completion is read in the worker before math-verify: once quadratic (a 30 k-letter
+    word after 'Answer:' took a worker 30 s, 150 k unclosed boxes several minutes), now milliseconds."""
+    start = time.monotonic()
+    final_answer(text, "auto")
+    assert time.monotonic() - start < 1.0
+    assert final_answer("x \\boxed{1} \\boxed{2" + "{" * 3, "boxed") == "\\boxed{1}"
+    assert final_answer("\\boxed{\\boxed{1}", "boxed") == "\\boxed{1}"
+
+
+FLOOD_KINDS = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{(10^{7})!}", "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",
+               "\\boxed{" * 150_000, "\\boxed{" * 32_000, "9" * 1_000_000, "x" * 1_000_000, "7" * 5000]
+
+
+@pytest.fixture
+def verifier_budget():
+    configure_verifier(timeout=1, batch_timeout=3, workers=2)
+    yield 3
+    configure_verifier(timeout=float(os.environ.get("ARMOR_VERIFIER_TIMEOUT", 10)),
+                       batch_timeout=float(os.environ.get("ARMOR_VERIFIER_BATCH_TIMEOUT", 60)),
+                       workers=int(os.environ.get("ARMOR_VERIFIER_WORKERS", min(4, os.cpu_count() or 1))))
+
+
+def test_a_flood_of_pathological_completions_costs_at_most_the_call_budget(verifier_budget):
+    """64 completions of the worst kinds: each verifier call ends within its budget (plus handing 64 MB to the
+    workers), the rest score None and are counted, and the next call is judged normally."""
+    flood = [FLOOD_KINDS[i % len(FLOOD_KINDS)] for i in range(64)]
+    assert math_verify_reward([r"\boxed{1}"], answer=["1"]) == [1.0]  # the workers are up
+    before = verifier_timeouts()
+    start = time.monotonic()
+    result = math_verify_reward(flood, answer=["2"] * 64)
+    seconds = time.monotonic() - start
+    assert seconds < verifier_budget + 3, seconds  # one timeout after another: 16 s and more
+    assert len(result) == 64 and all(r in (None, 0.0) for r in result)
+    assert verifier_timeouts() - before == result.count(None) >= 32
+    assert boxed_format_reward(flood) == [float(i % 8 < 3) for i in range(64)]
+    assert exact_integer_reward(flood, answer=["7" * 5000] * 64) == [float(i % 8 == 7) for i in range(64)]
+    assert math_verify_reward([r"\boxed{2}", r"\boxed{3}"], answer=["2", "2"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("ARMOR_VERIFIER_TIMEOUT", "0"), ("ARMOR_VERIFIER_TIMEOUT", "-1"), ("ARMOR_VERIFIER_TIMEOUT", "nan"),
+    ("ARMOR_VERIFIER_TIMEOUT", "inf"), ("ARMOR_VERIFIER_TIMEOUT", "abc"), ("ARMOR_VERIFIER_BATCH_TIMEOUT", "0"),
+    ("ARMOR_VERIFIER_BATCH_TIMEOUT", "nan"), ("ARMOR_VERIFIER_WORKERS", "0"), ("ARMOR_VERIFIER_WORKERS", "2.5"),
+    ("ARMOR_VERIFIER_WORKERS", "many"),
+])
+def test_verifier_environment_variables_are_checked_where_read(monkeypatch, variable, value):
+    """0 or -1 scored every completion None, nan disabled the timeout, abc failed at import: now each is a
+    ValueError naming the variable and what it takes, raised by the first call (not at import)."""
+    monkeypatch.setattr(rewards, "_settings", {})  # what configure_verifier set (in other tests) does not count
+    monkeypatch.setattr(rewards, "_pool", None)  # a pool is made from the settings on the next call
+    monkeypatch.setenv(variable, value)
+    allowed = "a whole number >= 1" if variable.endswith("WORKERS") else "a positive, finite number of seconds"
+    with pytest.raises(ValueError, match=f"{variable} must be {allowed}; got '{value}'"):
+        math_verify_reward([r"\boxed{1}"], answer=["1"])
+    with pytest.raises(ValueError, match=variable):
+        rewards.verifier_settings()
+
+
+def test_verifier_environment_variables_set_the_settings(monkeypatch):
+    monkeypatch.setattr(rewards, "_settings", {})
+    monkeypatch.setenv("ARMOR_VERIFIER_TIMEOUT", " 2.5 ")
+    monkeypatch.setenv("ARMOR_VERIFIER_BATCH_TIMEOUT", "")  # empty: the default
+    monkeypatch.setenv("ARMOR_VERIFIER_WORKERS", "3")
+    assert rewards.verifier_settings() == {"timeout": 2.5, "batch_timeout": 60.0, "workers": 3}
+
+
+def test_a_bad_verifier_variable_does_not_break_the_import():
+    env = dict(os.environ, ARMOR_VERIFIER_TIMEOUT="abc")
+    code = ("import armor_trl.rewards as r\ntry:\n    r.math_verify_reward(['1'], answer=['1'])\n"
+            "except ValueError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert "ARMOR_VERIFIER_TIMEOUT must be a positive, finite number of seconds; got 'abc'" in out.stdout
+
+
+@pytest.mark.parametrize("argument, value", [("timeout", float("nan")), ("timeout", float("inf")), ("timeout", -1),
+                                             ("batch_timeout", 0), ("workers", 1.5), ("workers", "x")])
+def test_configure_verifier_rejects_non_finite_values(argument, value):
+    with pytest.raises(ValueError, match=f"{argument} must be"):
+        configure_verifier(**{argument: value})
+
+
+@pytest.mark.parametrize("reward", [math_verify_reward, exact_integer_reward], ids=["math_verify", "exact_integer"])
+def test_missing_nan_and_none_golds_are_no_answer_and_counted(reward):
+    """A JSON NaN gold became the string 'nan', and \\boxed{nan} (or n\\cdot a\\cdot n) scored 1.0; 'None' the same."""
+    golds = [float("nan"), "nan", "NaN", "None", " none ", None, "<NA>", ""]
+    completions = [r"\boxed{nan}", r"n\cdot a\cdot n", "nan", r"\boxed{None}", "None", "None", "<NA>", ""]
+    before = rewards.missing_gold_answers()
+    assert reward(completions, answer=golds) == [None] * len(golds)
+    assert rewards.missing_gold_answers() - before == len(golds)
+    assert reward(["5"], answer=["5"]) == [1.0]  # real golds are unaffected and not counted
+    assert rewards.missing_gold_answers() - before == len(golds)
+
+
+def test_a_raw_gsm8k_solution_as_gold_is_read_by_its_final_line():
+    """openai/gsm8k passed straight to the trainer: the gold is the worked solution. math-verify misjudged
+    test rows 226 and 258 (a '33%' and a '$6.00' before '#### N'); the '#### N' line is now read first."""
+    with open(os.path.join(FIXTURES, "gsm8k_test_late_numbers.jsonl")) as f:
+        _, pokemon, nancy = [json.loads(line)["answer"] for line in f]
+    made_up = "Each gets 100/3 = <<100/3=33.333>>33.333...%.\nThe pen costs $4.00, so 2 cost <<2*4=8>>8.\n#### 1,208"
+    golds = [pokemon, nancy, made_up]
+    assert math_verify_reward([r"\boxed{33}", r"\boxed{6}", r"\boxed{1208}"], answer=golds) == [1.0, 1.0, 1.0]
+    assert math_verify_reward([r"\boxed{34}", r"\boxed{4}", r"\boxed{8}"], answer=golds) == [0.0, 0.0, 0.0]
+    assert exact_integer_reward(["33", "1208"], answer=[pokemon, made_up]) == [1.0, 1.0]
+    assert rewards.gold_answer("Work.\n####") is None  # nothing after the marker: no answer
+
+
+@pytest.mark.parametrize("completion", [None, [], {}, {"content": None}, [{"role": "assistant"}],
+                                        [{"role": "assistant", "content": [{"type": "text", "text": "\\boxed{4}"}]}]])
+def test_odd_completion_shapes_are_read_not_raised(completion):
+    assert math_verify_reward([completion], answer=["4"])[0] in (0.0, 1.0)
+    assert exact_integer_reward([completion], answer=["4"]) == [0.0]
+    assert boxed_format_reward([completion])[0] in (0.0, 1.0)
