@@ -11,12 +11,17 @@ the registry's, given, or detected from the column names and first rows.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
 from dataclasses import dataclass
 
 from datasets import Dataset, Features, Value, load_dataset
+
+from .rewards import gsm8k_answer, is_no_answer
+
+logger = logging.getLogger(__name__)
 
 # Instruction appended to math problems when ``instruction="default"``.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -25,7 +30,6 @@ DAPO_PREFIX = ("Solve the following math problem step by step. The last line of 
                "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 _DAPO_INSTRUCTED = re.compile(r'"Answer:"|of the form Answer:')
-_THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d+)?")
 
 
 def _gsm8k(row: dict) -> dict:
@@ -34,20 +38,26 @@ def _gsm8k(row: dict) -> dict:
     if "####" not in solution:
         raise ValueError(f"GSM8K schema: the 'answer' field has no '#### <answer>' line: {solution[-80:]!r}. "
                          "Is this a GSM8K file? Pass schema='math' (dataset_schema) for other question/answer files.")
-    final = solution.split("####")[-1].strip()
-    if _THOUSANDS.fullmatch(final):  # "1,234" -> "1234"; anything else is left as written
-        final = final.replace(",", "")
-    return {"problem": row["question"], "answer": final}
+    # "1,234" -> "1234"; anything else is left as written (the same rule reads a raw solution given as a gold)
+    return {"problem": row["question"], "answer": gsm8k_answer(solution)}
+
+
+def _answer_text(value) -> str | None:
+    """A ground truth as text; None where it is "no answer" (missing, NaN, "nan", "None": never a string to
+    match, see :func:`armor_trl.rewards.is_no_answer`)."""
+    if is_no_answer(value):
+        return None
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)  # 72.0 -> "72"
 
 
 def _math(row: dict) -> dict:
     """MATH / MATH-500 / AIME: ``problem`` (else ``question``) and ``answer``, else the full ``solution``
     (math-verify reads its \\boxed{})."""
-    answer = row.get("answer")
-    if answer is None or str(answer).strip() == "":
-        answer = row.get("solution")
+    answer = _answer_text(row.get("answer"))
+    if answer is None:
+        answer = _answer_text(row.get("solution"))
     problem = row["problem"] if row.get("problem") is not None else row.get("question")
-    return {"problem": problem, "answer": None if answer is None else str(answer)}
+    return {"problem": problem, "answer": answer}
 
 
 def _dapo(row: dict) -> dict:
@@ -56,12 +66,12 @@ def _dapo(row: dict) -> dict:
     prompt = row["prompt"]
     if not isinstance(prompt, str):
         prompt = next((m["content"] for m in prompt if m["role"] == "user"), prompt[-1]["content"])
-    return {"problem": prompt, "answer": str(row["reward_model"]["ground_truth"])}
+    return {"problem": prompt, "answer": _answer_text(row["reward_model"]["ground_truth"])}
 
 
 def _prompt_answer(row: dict) -> dict:
     """Already in this project's format: ``prompt`` (string) and ``answer``."""
-    return {"problem": row["prompt"], "answer": None if row["answer"] is None else str(row["answer"])}
+    return {"problem": row["prompt"], "answer": _answer_text(row["answer"])}
 
 
 SCHEMAS = {"gsm8k": _gsm8k, "math": _math, "aime": _math, "dapo": _dapo, "prompt_answer": _prompt_answer}
@@ -145,8 +155,29 @@ def _load_raw(source: str, split: str | None, name: str | None) -> tuple[Dataset
         builder = _LOCAL_BUILDERS.get(os.path.splitext(source)[1].lower())
         if builder is None:
             raise ValueError(f"Unsupported file type {source!r}: use one of {sorted(_LOCAL_BUILDERS)}.")
-        return load_dataset(builder, data_files=source, split="train"), None
+        if _is_blank(source):
+            raise ValueError(f"Dataset file {source!r} is empty: it has no rows.")
+        try:
+            data = load_dataset(builder, data_files=source, split="train")
+        except Exception as error:  # datasets' own errors (a bare StopIteration for some) do not name the file
+            cause = error.__cause__ or error
+            if "corresponds to no data" in str(cause):  # what datasets says of a file without rows
+                raise ValueError(f"Dataset file {source!r} is empty: it has no rows.") from error
+            raise ValueError(f"Dataset file {source!r} cannot be read as {os.path.splitext(source)[1]}: "
+                             f"{type(cause).__name__}: {cause}".rstrip(": ")) from error
+        if len(data) == 0:
+            raise ValueError(f"Dataset file {source!r} is empty: it has no rows.")
+        return data, None
     return load_dataset(source, name=name, split=split or "train"), None
+
+
+def _is_blank(path: str) -> bool:
+    """Whether a file holds nothing but whitespace (read only as far as the first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def load_rlvr_dataset(
@@ -196,7 +227,16 @@ def load_rlvr_dataset(
     text = Value("string")
     features = Features({"prompt": [{"role": text, "content": text}] if chat else text, "answer": text,
                          "answer_format": text, **{c: raw.features[c] for c in keep}})
-    return raw.map(convert, remove_columns=[c for c in raw.column_names if c not in keep], features=features)
+    data = raw.map(convert, remove_columns=[c for c in raw.column_names if c not in keep], features=features)
+    missing = sum(answer is None for answer in data["answer"])
+    if missing == len(data) and len(data):
+        raise ValueError(f"No row of {source!r} has a ground-truth answer (every one is missing, NaN, 'nan' or "
+                         "'None'): the rewards cannot judge any completion. Check the answer column.")
+    if missing:
+        logger.warning(f"{missing} of {len(data)} rows of {source!r} have no ground-truth answer (missing, NaN, 'nan' "
+                       "or 'None'); the rewards do not apply to their completions (None, counted by "
+                       "armor_trl.rewards.missing_gold_answers).")
+    return data
 
 
 # --- the synthetic task ------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 from datasets import Dataset
 
 import armor_trl.datasets as ds
+from armor_trl import rewards
 from armor_trl.datasets import (
     BOXED_INSTRUCTION,
     DAPO_PREFIX,
@@ -195,6 +196,65 @@ def test_answer_format_by_schema_and_override(tmp_path):
     assert load_rlvr_dataset(pairs)["answer_format"] == ["auto"]
     with pytest.raises(ValueError, match="Unknown answer_format 'latex'"):
         load_rlvr_dataset(pairs, answer_format="latex")
+
+
+@pytest.mark.parametrize("name, content", [("empty.jsonl", ""), ("blank.jsonl", "\n \n"), ("empty.json", "[]"),
+                                           ("empty.csv", ""), ("header_only.csv", "question,answer\n")])
+def test_an_empty_file_is_an_error_naming_it(tmp_path, name, content):
+    """An empty .jsonl gave a bare StopIteration from datasets' JSON reader; an empty .csv or '[]' another
+    message that named no file."""
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"Dataset file '{path}' is empty: it has no rows"):
+        load_rlvr_dataset(str(path))
+
+
+def test_an_empty_parquet_file_is_an_error_naming_it(tmp_path):
+    path = str(tmp_path / "empty.parquet")
+    Dataset.from_dict({"problem": [], "answer": []}).to_parquet(path)
+    with pytest.raises(ValueError, match=f"Dataset file '{path}' is empty"):
+        load_rlvr_dataset(path)
+
+
+def test_a_file_that_is_not_what_its_name_says_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(ValueError, match=f"Dataset file '{path}' cannot be read as .parquet"):
+        load_rlvr_dataset(str(path))
+
+
+def test_nan_and_none_answers_are_no_answer(tmp_path, caplog):
+    """A JSON NaN answer became the gold string 'nan' (and \\boxed{nan} scored 1.0); 'None' the same. They are
+    None now: the rewards do not apply to those rows, and loading says how many there are."""
+    rows = [{"problem": "p1", "answer": float("nan")}, {"problem": "p2", "answer": "None"},
+            {"problem": "p3", "answer": 5}, {"problem": "p4", "answer": "nan"}]
+    path = tmp_path / "nan.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))  # json writes the first answer as NaN
+    assert "NaN" in path.read_text()
+    with caplog.at_level("WARNING", logger="armor_trl.datasets"):
+        data = load_rlvr_dataset(str(path))
+    assert data["answer"] == [None, None, "5", None]
+    assert "3 of 4 rows" in caplog.text and str(path) in caplog.text
+    completions = [r"\boxed{nan}", r"\boxed{None}", r"\boxed{5}", r"n\cdot a\cdot n"]
+    assert math_verify_reward(completions, answer=data["answer"]) == [None, None, 1.0, None]
+
+
+def test_a_file_without_any_answer_is_refused(tmp_path):
+    rows = [{"prompt": "1+1?", "answer": "None"}, {"prompt": "2+2?", "answer": None}]
+    path = write_jsonl(tmp_path / "none.jsonl", rows)
+    with pytest.raises(ValueError, match="No row of .*none.jsonl' has a ground-truth answer"):
+        load_rlvr_dataset(path)
+
+
+def test_raw_gsm8k_answers_as_gold_match_what_the_gsm8k_schema_reads(tmp_path):
+    """The GSM8K schema and a raw GSM8K solution passed as the gold answer read the same '#### N' line."""
+    rows = [{"prompt": row["question"], "answer": row["answer"]} for row in GSM8K_ROWS]
+    raw = write_jsonl(tmp_path / "raw.jsonl", rows)
+    data = load_rlvr_dataset(raw)  # prompt/answer: the answers stay the full worked solutions
+    assert data["answer"] == [row["answer"] for row in GSM8K_ROWS]
+    schema = load_rlvr_dataset(write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS))
+    assert [rewards.gold_answer(answer) for answer in data["answer"]] == schema["answer"] == ["72", "1234"]
+    assert math_verify_reward([r"\boxed{72}", r"\boxed{1234}"], answer=data["answer"]) == [1.0, 1.0]
 
 
 def test_registry_names_load_from_the_hub(monkeypatch):
