@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .recipe import (
     DataArguments, TrainScriptArguments, build_trainer, held_out_source, load_datasets, named_validation_sets,
-    parse_train_args, resolve_resume_from_checkpoint, train_datasets,
+    parse_train_args, read_json, read_jsonl, resolve_resume_from_checkpoint, train_datasets,
 )
 
 EVAL_RESULTS_FILE = "eval_results.json"  # what `armor-trl eval --output_dir DIR` writes there
@@ -204,10 +204,28 @@ def describe_armor_loop(args, max_steps: int) -> list[str]:
 
 
 # --- commands --------------------------------------------------------------------------------------------------
+def checkpoint_inside(run_dir: str, named: str, state_file: str, steps: dict[int, str]) -> str | None:
+    """The checkpoint folder of ``run_dir`` that ``best_model_checkpoint`` names (by its last component, since a run
+    may have moved; trailing slashes allowed); None when that checkpoint is gone. A ValueError when the value is not a
+    path ending in a checkpoint-N folder name (e.g. "/x/..", which would lead out of the run folder)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    if not isinstance(named, str):
+        raise ValueError(f"{state_file}: best_model_checkpoint must be a path (a string), got {named!r}.")
+    name = named.rstrip("/" + os.sep)
+    name = os.path.basename(name)
+    prefix, _, step = name.rpartition("-")
+    if prefix != PREFIX_CHECKPOINT_DIR or not step.isdigit():
+        raise ValueError(f"{state_file}: best_model_checkpoint {named!r} does not end in a {PREFIX_CHECKPOINT_DIR}-N "
+                         f"folder, so it names no checkpoint of {run_dir}; refusing to follow it.")
+    return steps.get(int(step))
+
+
 def best_checkpoint(run_dir: str, metric: str | None = None) -> tuple[str, str]:
     """The best checkpoint of an earlier run and why: trainer_state.json's ``best_model_checkpoint`` (newest checkpoint
     first), else the checkpoint whose step scored highest on ``metric`` in val_metrics.jsonl (None: the first
-    val/…avg@n key). A ValueError when neither names an existing checkpoint."""
+    val/…avg@n key). Always a checkpoint-N folder inside ``run_dir``. A ValueError when neither names an existing
+    checkpoint, or when a file it reads is corrupt (naming the file)."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     if not os.path.isdir(run_dir):
@@ -215,24 +233,30 @@ def best_checkpoint(run_dir: str, metric: str | None = None) -> tuple[str, str]:
     steps = {}
     for name in os.listdir(run_dir):
         prefix, _, step = name.rpartition("-")
-        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit():
+        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(os.path.join(run_dir, name)):
             steps[int(step)] = os.path.join(run_dir, name)
     for step in sorted(steps, reverse=True):
         state_file = os.path.join(steps[step], "trainer_state.json")
-        best = json.load(open(state_file)).get("best_model_checkpoint") if os.path.isfile(state_file) else None
+        if not os.path.isfile(state_file):
+            continue
+        state = read_json(state_file)
+        if not isinstance(state, dict):
+            raise ValueError(f"{state_file}: expected a JSON object, got {type(state).__name__}.")
+        named = state.get("best_model_checkpoint")
+        best = checkpoint_inside(run_dir, named, state_file, steps) if named else None
         if best:
-            best = os.path.join(run_dir, os.path.basename(best))  # the run may have moved
-            if os.path.isdir(best):
-                return best, f"best_model_checkpoint in {state_file}"
+            return best, f"best_model_checkpoint in {state_file}"
     records = os.path.join(run_dir, "val_metrics.jsonl")
     scored = {}
     if os.path.isfile(records):
-        with open(records) as f:
-            for line in f:
-                record = json.loads(line)
-                key = metric or next((k for k in record if k.startswith("val/") and "avg@" in k), None)
-                if record.get("step") in steps and key in record:
-                    scored[record["step"]] = (record[key], key)
+        for record in read_jsonl(records):
+            key = metric or next((k for k in record if k.startswith("val/") and "avg@" in k), None)
+            score = record.get(key) if key else None
+            # a step validated without a score (null, NaN: nothing judged) is no candidate
+            step = record.get("step")
+            if isinstance(step, int) and step in steps and isinstance(score, (int, float)) \
+                    and not isinstance(score, bool) and math.isfinite(score):
+                scored[step] = (score, key)
     if not scored:
         raise ValueError(f"resume_best_as_reference: {run_dir} has no trainer_state.json best_model_checkpoint and no "
                          f"val_metrics.jsonl score{f' for {metric}' if metric else ''} at a step with a checkpoint.")

@@ -6,9 +6,15 @@
 
 from __future__ import annotations
 
+import enum
+import json
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field, fields
 
+import yaml
 from trl import ScriptArguments
 
 METHODS = ("armor", "grpo")
@@ -103,6 +109,207 @@ def armor_only_fields() -> list[str]:
     return sorted({f.name for f in fields(ArmorConfig)} - {f.name for f in fields(GRPOConfig)})
 
 
+# --- checking a recipe's values before anything runs ----------------------------------------------------------
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader that refuses a key repeated in one mapping (plain PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` then overriding is YAML's own way
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: SafeLoader reports it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at line {first}); give each key once",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+BOOL_STRINGS = ("true", "false", "yes", "no", "t", "f", "y", "n", "1", "0")
+
+
+def kind_of(value) -> str:
+    """What a YAML value is, in words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return type(value).__name__
+
+
+def _parses(kind, text: str) -> bool:
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
+
+
+def value_matches(value, hint, string_as_list: bool = False, element: bool = False) -> bool:
+    """Whether a recipe value fits a field's type as TRL's parser then reads it: argparse converts a string given for
+    a number or boolean field (so '1e-6' is a number), but takes lists, mappings and list elements as they are, so
+    those must fit exactly (``element``: a list element, no string conversion)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(value_matches(value, arg, string_as_list, element) for arg in args)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in args
+    if origin in (list, tuple) or hint in (list, tuple):
+        if string_as_list and isinstance(value, str):
+            return True
+        if not isinstance(value, list):
+            return False
+        return not args or all(value_matches(v, args[0], element=True) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    convertible = isinstance(value, str) and not element
+    if hint is bool:
+        return isinstance(value, bool) or convertible and value.strip().lower() in BOOL_STRINGS
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool) or convertible and _parses(int, value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) or convertible and _parses(float, value)
+    if hint is str:
+        return isinstance(value, str) or not element and isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return isinstance(value, str)
+    return isinstance(value, dict) or isinstance(hint, type) and isinstance(value, hint)  # e.g. a config object
+
+
+def describe_type(hint) -> str:
+    """A field's type in words: 'a number or null', 'a list of strings', ..."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        words = list(dict.fromkeys(describe_type(arg) for arg in args if arg is not type(None)))
+        words += ["null"] if type(None) in args else []
+        return " or ".join(words)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (list, tuple) or hint in (list, tuple):
+        element = {str: "strings", int: "integers", float: "numbers", bool: "true/false values"}
+        return "a list" + (f" of {element.get(args[0], 'values')}" if args else "")
+    if origin is dict or hint is dict:
+        return "a mapping"
+    simple = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if hint in simple:
+        return simple[hint]
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "a string"
+    return "a mapping"
+
+
+def recipe_fields(method: str) -> dict:
+    """{field: (type, choices, whether a single string stands for a list)} of the dataclasses a recipe fills: a
+    single string is taken for a list only in TRL's and transformers' fields, as their parser does
+    (``lora_target_modules: all-linear``), never in this package's (``reward_funcs: math_verify`` would be read
+    letter by letter)."""
+    from trl import GRPOConfig, ModelConfig
+
+    from .config import ArmorConfig
+
+    ours = {f.name for f in fields(TrainScriptArguments)} - {f.name for f in fields(ScriptArguments)}
+    found = {}
+    for cls in (TrainScriptArguments, ArmorConfig if method == "armor" else GRPOConfig, ModelConfig):
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.init and f.name not in found:
+                found[f.name] = (hints.get(f.name, typing.Any), f.metadata.get("choices"), f.name not in ours)
+    return found
+
+
+def check_recipe_values(recipe: dict, method: str, path: str | None = None) -> None:
+    """Every recipe value against its field's type (nested values included), before TRL's parser takes them as
+    defaults: a ValueError naming the field, what it got and what is allowed. Keys that are no field are left to
+    the parser's unknown-key check."""
+    where = f"Recipe {path}: " if path else ""
+    known = recipe_fields(method)
+    for key, value in recipe.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where}keys must be field names (strings), got {kind_of(key)} {key!r}.")
+        if key == "env":
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}env must be a mapping of environment variable: value, got {kind_of(value)}.")
+            continue
+        if key not in known:
+            continue
+        hint, choices, string_as_list = known[key]
+        if not value_matches(value, hint, string_as_list):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise ValueError(f"{where}{key} must be {describe_type(hint)}, got {kind_of(value)} ({shown}).")
+        if choices and value not in choices:
+            raise ValueError(f"{where}{key} must be one of {', '.join(map(str, choices))}, got {value!r}.")
+
+
+def machine_memory() -> tuple[int, str]:
+    """(bytes, what) of the largest memory here: RAM, or one GPU's memory when that is larger."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_properties(0).total_memory
+            if gpu > ram:
+                return gpu, "GPU memory"
+    except Exception:  # noqa: BLE001  (no usable CUDA: RAM it is)
+        pass
+    return ram, "RAM"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} PiB"
+
+
+def check_values(training_args, method: str) -> None:
+    """Numeric ranges no dataclass check covers: the learning rate (finite, > 0) and the sizes of one generation
+    round against a lower bound of their memory (the token ids alone, before any model memory)."""
+    lr = training_args.learning_rate
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"learning_rate must be a finite number > 0, got {lr!r}.")
+    completions = training_args.per_device_train_batch_size * training_args.steps_per_generation
+    tokens = training_args.max_completion_length + 1
+    available, what = machine_memory()
+    needs = [("per_device_train_batch_size x steps_per_generation", completions,
+              f"{completions} completions per generation round")]
+    if method == "armor" and training_args.use_anchors and training_args.anchor_source != "column":
+        groups = max(completions // training_args.num_generations, 1)
+        k = training_args.anchor_num_samples
+        needs.append(("anchor_num_samples", groups * k, f"{groups} group(s) x {k} reference candidates per generation "
+                      "round"))
+    for field_name, sequences, counted in needs:
+        need = sequences * tokens * 8  # int64 ids, the least any sampler holds
+        if need > available:
+            raise ValueError(
+                f"{field_name} too large: {counted} of up to {tokens - 1} completion tokens need at least "
+                f"{_size(need)} for their token ids alone (before the model and its KV cache), more than this "
+                f"machine's {_size(available)} of {what}. Lower it (the paper samples 8 reference candidates).")
+
+
 # --- parsing ---------------------------------------------------------------------------------------------------
 def _cli_value(argv: list[str], name: str) -> str | None:
     for i, arg in enumerate(argv):
@@ -125,21 +332,42 @@ def _dry_run_requested(argv: list[str], recipe: dict) -> bool:
     return bool(recipe.get("dry_run", False))
 
 
+def read_yaml(path: str):
+    """A YAML file through :class:`UniqueKeyLoader`; a ValueError of one line naming the file, line and column for
+    a syntax error or a repeated key, and naming the file when it cannot be read."""
+    try:
+        with open(path) as f:
+            return yaml.load(f, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        what = ": ".join(str(part) for part in (error.context, error.problem) if part)
+        raise ValueError(f"{where}: invalid YAML: {what}.") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: invalid YAML: {' '.join(str(error).split())}.") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not a text file ({error.reason} at byte {error.start}).") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read ({error.strerror or error}).") from None
+
+
 def load_recipe(path: str, _seen: tuple = ()) -> dict:
     """A YAML recipe as a dict. A ``base: other.yaml`` key (relative to the recipe) loads that recipe first and
-    overrides its keys with this one's, so a variant states only what differs."""
-    import yaml
-
+    overrides its keys with this one's, so a variant states only what differs. Repeated keys and YAML syntax errors
+    are refused with file, line and column."""
     path = os.path.abspath(path)
     if path in _seen:
         raise ValueError(f"Recipe {path} includes itself through 'base' ({' -> '.join(_seen + (path,))}).")
-    with open(path) as f:
-        recipe = yaml.safe_load(f) or {}
+    recipe = read_yaml(path)
+    recipe = {} if recipe is None else recipe
     if not isinstance(recipe, dict):
-        raise ValueError(f"Recipe {path} must be a YAML mapping.")
+        raise ValueError(f"Recipe {path} must be a YAML mapping of field: value, got {kind_of(recipe)}.")
     base = recipe.pop("base", None)
     if base is None:
         return recipe
+    if not isinstance(base, str) or not base.strip():
+        raise ValueError(f"Recipe {path}: base must be the file name of another recipe (a string, relative to this "
+                         f"one), got {kind_of(base)} ({base!r}).")
     base_path = os.path.join(os.path.dirname(path), base)
     if not os.path.isfile(base_path):
         raise ValueError(f"Recipe {path}: base {base!r} not found (looked for {base_path}).")
@@ -158,11 +386,9 @@ def _flatten_recipe(argv: list[str]) -> list[str]:
         return argv
     import tempfile
 
-    import yaml
-
-    with open(path) as f:
-        if "base" not in (yaml.safe_load(f) or {}):
-            return argv
+    raw = read_yaml(path)
+    if not isinstance(raw, dict) or "base" not in raw:
+        return argv  # a file that is no mapping is refused by load_recipe, naming it
     merged = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="armor-recipe-", delete=False)
     with merged:
         yaml.safe_dump(load_recipe(path), merged)
@@ -182,11 +408,13 @@ def parse_train_args(argv: list[str]):
 
     from .config import ArmorConfig
 
+    config = _cli_value(list(argv), "config")
     argv = _flatten_recipe(list(argv))
     recipe = _recipe(argv)
     method = _cli_value(argv, "method") or recipe.get("method") or "armor"
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}.")
+    check_recipe_values(recipe, method, config)
     armor_only = armor_only_fields()
     if method == "grpo":
         rejected = [flag for flag in _flags(argv) if flag in armor_only]
@@ -223,7 +451,40 @@ def parse_train_args(argv: list[str]):
                          f"{'ArmorConfig' if method == 'armor' else 'GRPOConfig'} or ModelConfig).")
     if ignored:
         notes.insert(0, f"method 'grpo' ignores the ArmorConfig-only recipe key(s): {', '.join(ignored)}")
+    check_values(training_args, method)
     return script_args, training_args, model_args, notes
+
+
+# --- run folders -----------------------------------------------------------------------------------------------
+def read_json(path: str):
+    """A JSON file's content; a ValueError naming the file (and where) when it cannot be read or parsed."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); the file "
+                         "is corrupt or was cut short.") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not a text file ({error.reason} at byte {error.start}).") from None
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSON-lines file; a ValueError naming the file and line of a record that is not a JSON object
+    (e.g. a line cut short when a run was killed)."""
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: line {number} is not valid JSON ({error.msg}, column {error.colno}); the "
+                                 "file is corrupt or was cut short: repair or delete that line.") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: line {number} is not a JSON object ({{...}}), got {type(record).__name__}.")
+            records.append(record)
+    return records
 
 
 def resolve_resume_from_checkpoint(value, output_dir: str) -> bool | str | None:

@@ -375,3 +375,72 @@ def test_train_refuses_resume_without_a_checkpoint(recipe, cwd, capsys):
     (cwd / "out" / "checkpoint-4").mkdir(parents=True)
     assert main(["train", "--config", str(recipe), "--dry_run", "--resume_from_checkpoint", "TRUE"]) == 0
     assert f"resume: the newest checkpoint in {cwd / 'out'}" in capsys.readouterr().out
+
+
+# --- run folders: --resume_best_as_reference stays inside the run folder; corrupt files are named -------------------
+def fake_run(root: Path, steps=(1, 2, 3), best=None, val=None) -> Path:
+    """A run folder with checkpoint-N folders; the newest holds trainer_state.json naming ``best``."""
+    for step in steps:
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+    if best is not None:
+        (root / f"checkpoint-{max(steps)}" / "trainer_state.json").write_text(json.dumps(
+            {"best_model_checkpoint": best, "global_step": max(steps)}))
+    if val is not None:
+        (root / "val_metrics.jsonl").write_text(val)
+    return root
+
+
+def test_best_model_checkpoint_is_resolved_inside_the_run_folder(tmp_path):
+    from armor_trl.cli import best_checkpoint
+
+    run = fake_run(tmp_path / "run", best="/elsewhere/old-name/checkpoint-2/")  # the run moved; a trailing slash
+    assert best_checkpoint(str(run))[0] == str(run / "checkpoint-2")
+    for escape in ("/x/..", str(run) + "/..", "../", "checkpoint-2/..", "/"):
+        run = fake_run(tmp_path / f"escape{len(escape)}-{escape.count('/')}", best=escape)
+        with pytest.raises(ValueError, match=r"trainer_state.json: best_model_checkpoint .* does not end in a "
+                           r"checkpoint-N folder, so it names no checkpoint of .*; refusing to follow it"):
+            best_checkpoint(str(run))
+    run = fake_run(tmp_path / "number", best=5)
+    with pytest.raises(ValueError, match="best_model_checkpoint must be a path"):
+        best_checkpoint(str(run))
+
+
+@pytest.mark.parametrize("content", ["{\"best_model_checkpoint\": \"che", "", "[1, 2]", "\xff\xfe"])
+def test_a_corrupt_trainer_state_names_the_file(content, tmp_path):
+    from armor_trl.cli import best_checkpoint
+
+    run = fake_run(tmp_path / "run")
+    state = run / "checkpoint-3" / "trainer_state.json"
+    state.write_bytes(content.encode("latin-1"))
+    with pytest.raises(ValueError) as error:
+        best_checkpoint(str(run))
+    assert str(error.value).startswith(f"{state}: ")
+
+
+def test_a_truncated_or_null_scored_validation_file(tmp_path):
+    from armor_trl.cli import best_checkpoint
+
+    records = fake_run(tmp_path / "run") / "val_metrics.jsonl"
+    records.write_text('{"step": 1, "val/avg@4": 0.5}\n{"step": 2, "val/avg@4": 0.7}\n{"step": 3, "val/av')
+    with pytest.raises(ValueError, match=f"{records}: line 3 is not valid JSON .* repair or delete that line"):
+        best_checkpoint(str(records.parent))
+    records.write_text('{"step": 1, "val/avg@4": 0.5}\n[2, 0.7]\n')
+    with pytest.raises(ValueError, match=f"{records}: line 2 is not a JSON object"):
+        best_checkpoint(str(records.parent))
+    # a step validated without a score (null, NaN) is no candidate; the scored steps still decide
+    records.write_text('{"step": 1, "val/avg@4": 0.5}\n{"step": 2, "val/avg@4": null}\n{"step": 3, "val/avg@4": NaN}\n'
+                       '{"step": [3], "val/avg@4": 0.9}\n')
+    assert best_checkpoint(str(records.parent))[0] == str(records.parent / "checkpoint-1")
+    records.write_text('{"step": 2, "val/avg@4": null}\n')
+    with pytest.raises(ValueError, match="no trainer_state.json best_model_checkpoint and no val_metrics.jsonl score"):
+        best_checkpoint(str(records.parent))
+
+
+def test_a_corrupt_run_folder_is_one_line_from_the_command(recipe, cwd, capsys):
+    run = fake_run(cwd / "first")
+    (run / "checkpoint-3" / "trainer_state.json").write_text("{")
+    assert main(["train", "--config", str(recipe), "--dry_run", "--resume_best_as_reference", str(run)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == [f"armor-trl train: error: {run / 'checkpoint-3' / 'trainer_state.json'}: not valid JSON (line 1, "
+                     "column 2: Expecting property name enclosed in double quotes); the file is corrupt or was cut "
+                     "short."]

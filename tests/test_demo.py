@@ -86,3 +86,21 @@ def test_read_curves_of_the_demo_metrics_need_validation(tmp_path):
     path.write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
     with pytest.raises(ValueError, match="val_every_steps"):
         read_curves(path)
+
+
+def test_corrupt_experiment_files_are_named(tmp_path):
+    """A metrics file cut short, a corrupt study.json, an arms file with a repeated key: one error naming the file."""
+    metrics = tmp_path / "grpo-seed0.jsonl"
+    metrics.write_text('{"step": 0, "val/avg@4": 0.5}\n{"step": 1, "val/av')
+    with pytest.raises(ValueError, match=f"{metrics}: line 2 is not valid JSON"):
+        read_curves(metrics)
+    arms = tmp_path / "arms.yaml"
+    arms.write_text("arms:\n  grpo: {}\n  grpo: {beta: 0.1}\n")
+    with pytest.raises(ValueError, match=f"{arms}:3:3: invalid YAML: duplicate key 'grpo'"):
+        study.load_arms({}, arms)
+    arms.write_text("arms: [grpo]\n")
+    with pytest.raises(ValueError, match=f"Arms file {arms} must be a mapping"):
+        study.load_arms({}, arms)
+    (tmp_path / "study.json").write_text('{"recipe": ')
+    with pytest.raises(ValueError, match=f"{tmp_path / 'study.json'}: not valid JSON"):
+        study.check_study_folder(tmp_path, {"recipe": {}, "smoke_overrides": None, "model": None, "arms": {}})

@@ -228,3 +228,100 @@ def test_dry_run_without_gpu_validates_as_on_cpu(monkeypatch, capsys):
     assert config.bf16 and config.use_cpu and "validated as if use_cpu=True" in notes[0]
     with pytest.raises(ValueError, match="bf16=True .* needs a GPU"):  # a real run on this machine still fails clearly
         parse_train_args(["--config", name])
+
+
+# --- every value type-checked before anything runs; YAML errors and repeated keys named with file:line:column ------
+TINY = "dataset_name: arithmetic\nuse_cpu: true\nbf16: false\nper_device_train_batch_size: 8\nnum_generations: 4\n"
+
+
+def train_error(path, tiny_model_path, capsys, *extra) -> str:
+    """`armor-trl train --dry_run` on the recipe must fail with exactly one line, no traceback; that line."""
+    assert main(["train", "--config", str(path), "--dry_run", "--model_name_or_path", tiny_model_path, *extra]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "warning" not in line]
+    assert len(lines) == 1 and lines[0].startswith("armor-trl train: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("learning_rate: {a: 1}\n", "learning_rate must be a number, got a mapping ({'a': 1})"),
+        ("reward_funcs: 5\n", "reward_funcs must be a list of strings, got an integer (5)"),
+        ("reward_funcs: exact_integer\n", "reward_funcs must be a list of strings, got a string ('exact_integer')"),
+        ("reward_funcs: [exact_integer, [format]]\n", "reward_funcs must be a list of strings, got a list"),
+        ("reward_funcs: [exact_integer, 5]\n", "reward_funcs must be a list of strings, got a list"),
+        ("armor_alpha: [1, 2]\n", "armor_alpha must be a number or null, got a list ([1, 2])"),
+        ("base: 5\n", "base must be the file name of another recipe (a string, relative to this one), got an integer"),
+        ("anchor_num_samples: 1e9\n", "anchor_num_samples must be an integer, got a string ('1e9')"),
+        ("anchor_num_samples: 2.5\n", "anchor_num_samples must be an integer, got a number (2.5)"),
+        ("use_anchors: maybe\n", "use_anchors must be true or false, got a string ('maybe')"),
+        ("reward_weights: [1, one]\n", "reward_weights must be a list of numbers or null, got a list ([1, 'one'])"),
+        ("val_datasets: {a: b}\n", "val_datasets must be a list of strings or null, got a mapping"),
+        ("seed: [1]\n", "seed must be an integer, got a list ([1])"),
+        ("anchor_filter: bogus\n", "anchor_filter must be one of"),
+        ("env: [A]\n", "env must be a mapping of environment variable: value, got a list"),
+        ("- a\n- b\n", "must be a YAML mapping of field: value, got a list"),
+    ],
+)
+def test_wrongly_typed_recipe_values_are_refused_naming_the_field(text, message, tmp_path, tiny_model_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text + ("" if text.startswith("-") else TINY))
+    line = train_error(path, tiny_model_path, capsys)
+    assert message in line and str(path) in line
+
+
+def test_values_trls_parser_converts_still_pass(tmp_path, tiny_model_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(TINY + "learning_rate: 1e-6\nseed: '3'\nuse_anchors: 'true'\nlora_target_modules: all-linear\n")
+    _, config, model, _ = parse_train_args(["--config", str(path), "--model_name_or_path", tiny_model_path])
+    assert (config.learning_rate, config.seed, config.use_anchors) == (1e-6, 3, True)
+    assert model.lora_target_modules == "all-linear"  # a single string, as TRL's parser and PEFT take it
+
+
+def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, tiny_model_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(TINY + "learning_rate: 1e-6\nreward_funcs: [exact_integer\nseed: 3\n")
+    line = train_error(path, tiny_model_path, capsys)
+    assert f"armor-trl train: error: {path}:8:" in line and "invalid YAML" in line and "expected ','" in line
+    path.write_text(TINY + "learning_rate: 1e-6\n\tseed: 3\n")  # a tab
+    assert f"{path}:7:1: invalid YAML" in train_error(path, tiny_model_path, capsys)
+
+
+def test_a_repeated_key_is_refused_naming_both_lines(tmp_path, tiny_model_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("learning_rate: 0.1\n" + TINY + "learning_rate: 0.2\n")
+    line = train_error(path, tiny_model_path, capsys)
+    assert f"{path}:7:1: invalid YAML" in line and "duplicate key 'learning_rate' (first at line 1)" in line
+    # in a base recipe and in nested mappings too; YAML's merge key (<<) may still be overridden
+    (tmp_path / "base.yaml").write_text("study:\n  seeds: 2\n  seeds: 3\n")
+    path.write_text("base: base.yaml\n" + TINY)
+    assert f"{tmp_path / 'base.yaml'}:3:3: invalid YAML: duplicate key 'seeds'" in train_error(path, tiny_model_path,
+                                                                                             capsys)
+    path.write_text(TINY + "x: &common\n  seeds: 2\nstudy:\n  <<: *common\n  seeds: 3\n")
+    assert load_recipe(str(path))["study"] == {"seeds": 3}
+
+
+@pytest.mark.parametrize("value", [".nan", "-1.0e-6", "0", ".inf"])
+def test_a_learning_rate_that_is_not_finite_and_positive_is_refused_at_the_dry_run(value, tmp_path, tiny_model_path,
+                                                                                  capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(TINY + f"learning_rate: {value}\n")
+    assert "learning_rate must be a finite number > 0, got" in train_error(path, tiny_model_path, capsys)
+    path.write_text(TINY)
+    assert "learning_rate must be a finite number > 0, got nan" in train_error(path, tiny_model_path, capsys,
+                                                                              "--learning_rate", "nan")
+
+
+def test_an_absurd_anchor_num_samples_is_refused_with_a_memory_estimate(tmp_path, tiny_model_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(TINY + "anchor_num_samples: 1000000000\nmax_completion_length: 256\n")
+    line = train_error(path, tiny_model_path, capsys)
+    assert "anchor_num_samples too large: 2 group(s) x 1000000000 reference candidates per generation round" in line
+    assert "of up to 256 completion tokens need at least 3.74 TiB for their token ids alone" in line
+    assert "more than this machine's" in line
+    # a sane count passes; with method grpo the key is ignored (no anchors are sampled)
+    path.write_text(TINY + "anchor_num_samples: 64\n")
+    assert main(["train", "--config", str(path), "--dry_run", "--model_name_or_path", tiny_model_path]) == 0
+    path.write_text(TINY + "anchor_num_samples: 1000000000\n")
+    assert main(["train", "--config", str(path), "--dry_run", "--model_name_or_path", tiny_model_path,
+                 "--method", "grpo"]) == 0

@@ -16,7 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..recipe import build_trainer, load_recipe, parse_train_args
+from ..recipe import build_trainer, load_recipe, parse_train_args, read_json, read_jsonl
 
 VAL_KEY_PREFIX = "val/avg@"
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY")
@@ -101,7 +101,7 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     if (path / "warmup.json").is_file():
         if progress is not None:
             progress.set_description_str("warm-up: cached")
-        return str(path), json.loads((path / "warmup.json").read_text())
+        return str(path), read_json(str(path / "warmup.json"))
 
     rl_train, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],
                                            task["arithmetic_seed"], task["arithmetic_digits"],
@@ -230,7 +230,7 @@ def read_curves(metrics_file: Path) -> dict:
     Training reward: ``armor/policy_reward_mean`` (on-policy samples only) where logged, else TRL's ``reward``.
     Reverse KL: ``armor/kl_reverse_policy``, else TRL's ``kl`` (logged with β > 0). ``ref_weights_step``: the step
     whose policy weights π_ref held at each logged step (ARMOR runs)."""
-    records = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+    records = read_jsonl(str(metrics_file))  # a corrupt file is named, with its line
     val_key = next((k for r in records for k in r if k.startswith(VAL_KEY_PREFIX)), None)
     if val_key is None:
         raise ValueError(f"{metrics_file} holds no validation ({VAL_KEY_PREFIX}k): set val_every_steps > 0.")

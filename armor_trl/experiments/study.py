@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from ..recipe import read_json, read_yaml
 from . import stats
 from .runner import (go_offline, override_flags, quiet_single_thread, read_curves, read_recipe, resolve_overrides,
                      smoke_version, train_run, warm_start)
@@ -39,7 +40,9 @@ def load_arms(recipe: dict, arms_file: str | os.PathLike | None = None) -> tuple
     path = Path(arms_file) if arms_file else DEFAULT_ARMS_FILE
     if not path.is_file():
         raise ValueError(f"Arms file {path} not found.")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_yaml(str(path)) or {}  # syntax errors and repeated keys named with file, line and column
+    if not isinstance(data, dict) or not isinstance(data.get("arms") or {}, dict):
+        raise ValueError(f"Arms file {path} must be a mapping with an 'arms:' mapping of name: overrides.")
     section = recipe.get("study") or {}
     if not isinstance(section, dict) or set(section) - set(STUDY_KEYS):
         raise ValueError(f"The recipe's study: section may hold {list(STUDY_KEYS)} only, got {section!r}.")
@@ -77,13 +80,13 @@ def check_arms(arms: dict, recipe: dict, recipe_file: str, model_path: str) -> d
     return resolved
 
 
-def _check_resume(out: Path, plan: dict) -> None:
+def check_study_folder(out: Path, plan: dict) -> None:
     """A study folder is reused only for the same recipe and the same definition of every arm it already ran."""
     record = out / "study.json"
     if not record.is_file():
         record.write_text(json.dumps(plan, indent=2))
         return
-    earlier = json.loads(record.read_text())
+    earlier = read_json(str(record))
     for key in ("recipe", "smoke_overrides", "model"):
         if earlier.get(key) != plan[key]:
             raise ValueError(f"{out} holds a study with a different {key}; use another study folder (--out; the "
@@ -144,7 +147,7 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
         recipe_file = out / "recipe.yaml"  # the merged recipe (base: resolved) every run parses
         recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
         resolved = check_arms(chosen, recipe, str(recipe_file), model_path)
-    _check_resume(out, {"recipe": recipe, "smoke_overrides": smoke_overrides, "model": model_path,
+    check_study_folder(out, {"recipe": recipe, "smoke_overrides": smoke_overrides, "model": model_path,
                         "arms": chosen})
 
     seed0 = recipe.get("seed", 0)
