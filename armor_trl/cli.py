@@ -321,6 +321,22 @@ def _load_model(path: str):
     return tokenizer, model
 
 
+def check_eval_config(path: str) -> None:
+    """An ``armor-trl eval --config`` file, before TRL's parser reads it: YAML errors and repeated keys with
+    file:line:column, and each value against its EvalArguments field."""
+    import typing
+
+    from .recipe import describe_type, kind_of, read_yaml, value_matches
+
+    values = read_yaml(path)
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must be a YAML mapping of field: value, got {kind_of(values)}.")
+    hints = typing.get_type_hints(EvalArguments)
+    for key, value in values.items():
+        if key in hints and not value_matches(value, hints[key]):
+            raise ValueError(f"{path}: {key} must be {describe_type(hints[key])}, got {kind_of(value)} ({value!r}).")
+
+
 def eval_main(argv: list[str]) -> int:
     import torch
     from trl import TrlParser
@@ -329,6 +345,9 @@ def eval_main(argv: list[str]) -> int:
     from .rewards import resolve_reward
 
     try:
+        config = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+        if config is not None:
+            check_eval_config(config)
         (args,) = TrlParser((EvalArguments,), prog="armor-trl eval").parse_args_and_config(argv)
         if not args.model or not args.dataset:
             raise ValueError("--model and --dataset are required.")

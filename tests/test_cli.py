@@ -444,3 +444,14 @@ def test_a_corrupt_run_folder_is_one_line_from_the_command(recipe, cwd, capsys):
     assert lines == [f"armor-trl train: error: {run / 'checkpoint-3' / 'trainer_state.json'}: not valid JSON (line 1, "
                      "column 2: Expecting property name enclosed in double quotes); the file is corrupt or was cut "
                      "short."]
+
+
+def test_eval_config_errors_are_one_line(tmp_path, capsys):
+    config = tmp_path / "eval.yaml"
+    for text, message in [("k: 2\nk: 3\n", f"{config}:2:1: invalid YAML: duplicate key 'k' (first at line 1)"),
+                          ("k: [2\n", f"{config}:2:1: invalid YAML"),
+                          ("k: {a: 1}\n", f"{config}: k must be an integer, got a mapping ({{'a': 1}})")]:
+        config.write_text(text)
+        assert main(["eval", "--config", str(config), "--model", "m", "--dataset", "arithmetic"]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"armor-trl eval: error: {message}"), lines
