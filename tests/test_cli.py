@@ -13,7 +13,7 @@ import yaml
 from trl import GRPOConfig
 
 from armor_trl import ArmorConfig
-from armor_trl.cli import EVAL_RESULTS_FILE, describe_resets, main, reset_schedule
+from armor_trl.cli import EVAL_RESULTS_FILE, best_checkpoint, describe_resets, main, reset_schedule
 from armor_trl.recipe import parse_train_args, resolve_resume_from_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,8 +254,6 @@ def test_collapse_guard_and_named_validation_sets_from_the_command_line(recipe, 
 def test_resume_best_as_reference_starts_armor_from_the_best_checkpoint(recipe, cwd, capsys):
     from safetensors.torch import load_file
 
-    from armor_trl.cli import best_checkpoint
-
     first = cwd / "first"
     assert main(["train", "--config", str(recipe), "--output_dir", str(first), "--save_strategy", "steps",
                  "--save_steps", "1", "--method", "grpo"]) == 0
@@ -391,8 +389,6 @@ def fake_run(root: Path, steps=(1, 2, 3), best=None, val=None) -> Path:
 
 
 def test_best_model_checkpoint_is_resolved_inside_the_run_folder(tmp_path):
-    from armor_trl.cli import best_checkpoint
-
     run = fake_run(tmp_path / "run", best="/elsewhere/old-name/checkpoint-2/")  # the run moved; a trailing slash
     assert best_checkpoint(str(run))[0] == str(run / "checkpoint-2")
     for escape in ("/x/..", str(run) + "/..", "../", "checkpoint-2/..", "/"):
@@ -407,8 +403,6 @@ def test_best_model_checkpoint_is_resolved_inside_the_run_folder(tmp_path):
 
 @pytest.mark.parametrize("content", ["{\"best_model_checkpoint\": \"che", "", "[1, 2]", "\xff\xfe"])
 def test_a_corrupt_trainer_state_names_the_file(content, tmp_path):
-    from armor_trl.cli import best_checkpoint
-
     run = fake_run(tmp_path / "run")
     state = run / "checkpoint-3" / "trainer_state.json"
     state.write_bytes(content.encode("latin-1"))
@@ -418,8 +412,6 @@ def test_a_corrupt_trainer_state_names_the_file(content, tmp_path):
 
 
 def test_a_truncated_or_null_scored_validation_file(tmp_path):
-    from armor_trl.cli import best_checkpoint
-
     records = fake_run(tmp_path / "run") / "val_metrics.jsonl"
     records.write_text('{"step": 1, "val/avg@4": 0.5}\n{"step": 2, "val/avg@4": 0.7}\n{"step": 3, "val/av')
     with pytest.raises(ValueError, match=f"{records}: line 3 is not valid JSON .* repair or delete that line"):
