@@ -1,5 +1,7 @@
 """The ``armor-trl`` command: ``train``, ``eval``, ``demo`` and ``study`` (see :mod:`armor_trl.experiments`),
-``anchors`` (see :mod:`armor_trl.pregenerate`).
+``anchors`` (the library behind it is :mod:`armor_trl.pregenerate`). This is the CLI layer, with
+:mod:`armor_trl.recipe` and the experiments: library modules never import it (tests/test_layers.py). Every command
+that writes files takes ``--output_dir``; earlier spellings stay as hidden, deprecated aliases.
 
 ``armor-trl train --config recipe.yaml [--field value ...]`` follows ``trl grpo``: TRL's own ``TrlParser``
 reads a YAML recipe into dataclasses (:class:`TrainScriptArguments`, ``trl.ModelConfig`` and
