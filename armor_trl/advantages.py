@@ -5,7 +5,7 @@ NaN marks a row that is no member of its group (an empty anchor slot, or a compl
 could score); it is left out of every statistic and gets advantage 0.
 
 * :func:`group_advantages` — GRPO's advantage (r − baseline) / (std + 1e-4), where the baseline is the
-  group mean or, with ``quantile`` = K, the group's K-quantile (QAE, arXiv 2509.22611); the std is
+  group mean or, with ``quantile`` = K, the group's K-quantile (QAE, arXiv 2509.22611, :func:`group_quantile`); the std is
   the group's or, with ``scale_rewards="batch"``, the batch's over the groups that are kept.
 * :func:`dynamic_sampling_keep` — which groups DAPO's dynamic sampling keeps (rewards of the on-policy
   samples not all equal), with the reason each dropped group was dropped.
@@ -19,6 +19,23 @@ import torch
 KEPT, ALL_CORRECT, ALL_WRONG, NO_ANCHOR = 0, 1, 2, 3
 DROP_REASONS = {ALL_CORRECT: "all_correct", ALL_WRONG: "all_wrong", NO_ANCHOR: "no_anchor"}
 STD_EPS = 1e-4  # as in TRL's GRPOTrainer
+QUANTILE_INTERPOLATIONS = ("inverted_cdf", "lower", "higher", "nearest", "midpoint", "linear")
+
+
+def group_quantile(grouped: torch.Tensor, quantile: float, interpolation: str = "inverted_cdf") -> torch.Tensor:
+    """(groups, 1) K-quantile of each row of ``grouped``, ignoring NaNs (NaN where a row has none).
+
+    ``"inverted_cdf"``: the smallest value v with at least a fraction K of the row's values <= v (the empirical
+    quantile QAE defines; always a value of the row). The others are ``torch.nanquantile``'s interpolations.
+    """
+    if interpolation != "inverted_cdf":
+        return torch.nanquantile(grouped, quantile, dim=1, keepdim=True, interpolation=interpolation)
+    count = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    ordered = torch.sort(torch.nan_to_num(grouped, nan=torch.inf), dim=1).values  # NaNs last
+    position = (torch.ceil(quantile * count.double()).long() - 1).clamp(min=0)
+    position = torch.minimum(position, (count - 1).clamp(min=0))
+    baseline = ordered.gather(1, position)
+    return torch.where(count > 0, baseline, torch.full_like(baseline, float("nan")))
 
 
 def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -37,14 +54,15 @@ def group_advantages(
     scale_rewards: str = "group",
     quantile: float | None = None,
     keep: torch.Tensor | None = None,
+    interpolation: str = "inverted_cdf",
 ) -> torch.Tensor:
     """Advantages of ``rewards`` (N,) in groups of ``group_size`` rows.
 
     Args:
         scale_rewards: ``"group"`` (divide by the group's std), ``"batch"`` (by the std of all kept rows) or
             ``"none"``, as in TRL.
-        quantile: ``None`` for the group mean as baseline; K in [0, 1] for the group's K-quantile (linear
-            interpolation, ``torch.nanquantile``) — QAE.
+        quantile: ``None`` for the group mean as baseline; K in [0, 1] for the group's K-quantile — QAE, taken
+            per ``interpolation`` (:func:`group_quantile`).
         keep: (N / group_size,) bool; groups that are not kept get advantage 0 and stay out of the batch std.
     """
     grouped = rewards.view(-1, group_size)
@@ -53,7 +71,7 @@ def group_advantages(
     if quantile is None:
         baseline = torch.nanmean(grouped, dim=1, keepdim=True)
     else:
-        baseline = torch.nanquantile(grouped, quantile, dim=1, keepdim=True, interpolation="linear")
+        baseline = group_quantile(grouped, quantile, interpolation)
     advantages = grouped - baseline
     if scale_rewards == "group":
         advantages = advantages / (nanstd(grouped, dim=1).unsqueeze(1) + STD_EPS)

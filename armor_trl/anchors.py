@@ -7,9 +7,31 @@ the paper) for anchors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 SELECTIONS = ("correct", "any", "incorrect")
+
+
+@dataclass
+class AnchorRound:
+    """The anchors of one generation round (this process's groups), as the steps after generation need them.
+
+    ``found`` (anchor slots,) whether each slot holds a verified anchor (an empty slot holds a filler completion,
+    which is no member of its group); ``has_anchor`` (groups,) whether the group found one; ``reward`` (anchor slots,)
+    the anchor's weighted reward, NaN where none; ``rewards_per_func`` (anchor slots, reward functions) the scores of
+    the anchors that were scored when they were picked (None: TRL scores them with the group, column anchors);
+    ``candidates_verified`` (candidates,) the verdict on each fresh candidate; ``cache_hits`` (hits, groups).
+    """
+
+    found: torch.Tensor
+    has_anchor: torch.Tensor
+    reward: torch.Tensor
+    candidates_verified: torch.Tensor
+    cache_hits: torch.Tensor
+    rewards_per_func: torch.Tensor | None = None
+    column: bool = False
 
 
 def anchor_rows(num_rows: int, num_generations: int, anchors_per_group: int = 1) -> list[int]:
@@ -107,7 +129,7 @@ class AnchorCache:
 
         self.max_entries, self.per_prompt = max_entries, per_prompt
         self.reference_version = 0
-        self._entries: "OrderedDict[tuple, list[tuple[list[int], float]]]" = OrderedDict()  # oldest anchor first
+        self._entries: "OrderedDict[tuple, list[tuple[list[int], list[float]]]]" = OrderedDict()  # oldest anchor first
         self._turns: dict[tuple, int] = {}  # prompt -> anchors handed out (the rotation's position)
         self._failures: "OrderedDict[tuple, list]" = OrderedDict()  # prompt -> [filler completion, visits skipped]
 
@@ -122,7 +144,7 @@ class AnchorCache:
             self._failures.clear()
             self.reference_version = reference_version
 
-    def get(self, prompt_ids, partial: bool = False) -> tuple[list[int], float] | None:
+    def get(self, prompt_ids, partial: bool = False) -> tuple[list[int], list[float]] | None:
         """The prompt's next anchor in rotation, once it holds ``per_prompt`` of them (any number with ``partial``)."""
         key = tuple(prompt_ids)
         anchors = self._entries.get(key)
@@ -133,13 +155,14 @@ class AnchorCache:
         self._turns[key] = turn + 1
         return anchors[turn % len(anchors)]
 
-    def put(self, prompt_ids, completion_ids: list[int], reward: float) -> None:
-        """Add a verified anchor; beyond ``per_prompt`` the prompt's oldest one goes."""
+    def put(self, prompt_ids, completion_ids: list[int], rewards: list[float]) -> None:
+        """Add a verified anchor with its score per reward function; beyond ``per_prompt`` the prompt's oldest one
+        goes."""
         key = tuple(prompt_ids)
         self._failures.pop(key, None)
         anchors = self._entries.setdefault(key, [])
         if all(ids != list(completion_ids) for ids, _ in anchors):
-            anchors.append((list(completion_ids), float(reward)))
+            anchors.append((list(completion_ids), [float(value) for value in rewards]))
         del anchors[: -self.per_prompt]
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
@@ -174,8 +197,9 @@ class AnchorCache:
         self._entries.clear()
         self._failures.clear()
         self.reference_version = state["reference_version"]
-        for key, ids, reward in state["entries"]:
-            self.put(key, ids, reward)
+        for key, ids, rewards in state["entries"]:
+            if isinstance(rewards, list):  # older checkpoints kept the total only: those entries are sampled anew
+                self.put(key, ids, rewards)
         for key, filler, skipped in state.get("failures", []):
             self._failures[tuple(key)] = [filler, skipped]
         self._turns = {tuple(key): turn for key, turn in state.get("turns", [])}

@@ -15,14 +15,12 @@ when each of the last ``patience`` validations (all after b) has s_b − s_i ≥
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from . import trl_seam as seam
@@ -30,7 +28,6 @@ from .evaluation import TRAIN_REWARD_KEYS
 
 logger = logging.get_logger(__name__)
 
-GUARD_FILE = "collapse_guard.json"  # the guard's state in a checkpoint of a run without a reference
 TOLERANCE = 1e-9  # rounding slack in the rule's comparisons
 
 
@@ -75,26 +72,21 @@ class CollapseGuard(TrainerCallback):
         trainer.add_callback(self)
 
     # --- state ---------------------------------------------------------------------------------------------------
+    STATE_FIELDS = ("metric", "steps", "scores", "rewards", "rewards_since", "fired")
+
     def state_dict(self) -> dict:
-        keys = ("metric", "steps", "scores", "rewards", "rewards_since", "fired")
-        return {key: getattr(self, key) for key in keys}
+        return {key: getattr(self, key) for key in self.STATE_FIELDS}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        for key in self.STATE_FIELDS:  # known fields only: a checkpoint cannot set anything else on the guard
+            if key in state:
+                setattr(self, key, state[key])
 
-    def save(self, directory: str) -> None:
-        with open(os.path.join(directory, GUARD_FILE), "w") as f:
-            json.dump(self.state_dict(), f)
-
-    def load(self, directory: str) -> None:
-        path = os.path.join(directory, GUARD_FILE)
-        if os.path.exists(path):
-            with open(path) as f:
-                self.load_state_dict(json.load(f))
+    def register(self, armor_state) -> None:
+        armor_state.register("collapse_guard", self.state_dict, self.load_state_dict)
 
     def checkpoint_of(self, step: int) -> str:
-        return os.path.join(self.trainer._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        return seam.checkpoint_dir(self.trainer, step)
 
     @property
     def best_checkpoint(self) -> str | None:
@@ -160,7 +152,7 @@ class CollapseGuard(TrainerCallback):
                 "checkpoints (save_total_limit with metric_for_best_model = the watched metric keeps the best one)."
             )
         if self.action == "rollback":
-            roll_back(self.trainer, checkpoint)
+            roll_back(self.trainer, checkpoint, state.global_step, self.steps[best])
             logger.warning(f"{what}: training goes on at step {state.global_step} from {checkpoint} (its weights and "
                            "optimizer state), with the same method")
             Trainer.log(self.trainer, {"collapse_guard/fired": 1.0})
@@ -171,20 +163,26 @@ class CollapseGuard(TrainerCallback):
         Trainer.log(self.trainer, {"collapse_guard/fired": 1.0, "armor/stage": 1.0})
 
 
-def roll_back(trainer, checkpoint: str) -> None:
-    """The policy gets ``checkpoint``'s weights and optimizer state; buffered rollouts of the collapsed policy go."""
-    trainer._load_from_checkpoint(checkpoint)
+def roll_back(trainer, checkpoint: str, step: int, checkpoint_step: int) -> None:
+    """Training goes on at optimizer step ``step`` from ``checkpoint`` (written after ``checkpoint_step``): the policy
+    gets its weights and optimizer state, and every piece of ARMOR state its own (π_ref, the reset counter, the anchor
+    cache, the column rotation; not the guard's history nor the refill stream), with the α / reset schedule shifted so
+    that it continues from where the checkpoint was. Buffered rollouts of the collapsed policy go."""
+    seam.load_weights(trainer, checkpoint)
     optimizer_file = os.path.join(checkpoint, "optimizer.pt")
     if os.path.isfile(optimizer_file):
         state = torch.load(optimizer_file, map_location=trainer.args.device, weights_only=True)
         trainer.optimizer.load_state_dict(state)
+    trainer.armor_state.load(checkpoint, skip=("collapse_guard", "refill"))
+    if trainer.armor_started_at is not None:
+        trainer.armor_started_at += step - checkpoint_step
     seam.discard_rollouts(trainer)
 
 
-def switch_to_armor(trainer, checkpoint: str, step: int, checkpoint_step: int | None = None) -> None:
+def switch_to_armor(trainer, checkpoint: str, step: int, checkpoint_step: int) -> None:
     """Stage 2 of the protocol: the policy gets ``checkpoint``'s weights (saved after optimizer step
     ``checkpoint_step``) and optimizer state, π_ref becomes an exact copy of them, and ARMOR acts from optimizer step
     ``step`` on (α decay and reset schedules count from there)."""
-    roll_back(trainer, checkpoint)
-    trainer.reference.reset(trainer._unwrapped_policy(), step, weights_step=checkpoint_step)
+    roll_back(trainer, checkpoint, step, checkpoint_step)
+    trainer.reference.reset(trainer.unwrapped_policy(), step, weights_step=checkpoint_step)
     trainer.armor_started_at = step

@@ -22,7 +22,7 @@ import torch
 from accelerate.utils import gather_object
 from transformers.utils import logging
 
-from .anchors import verified_mask
+from .anchors import AnchorRound, verified_mask
 
 logger = logging.get_logger(__name__)
 
@@ -94,7 +94,7 @@ class ColumnAnchors:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         return ids[: self.max_length]
 
-    def round_anchors(self, group_prompt_ids: list, group_inputs: list[dict], device) -> tuple[list, dict]:
+    def round_anchors(self, group_prompt_ids: list, group_inputs: list[dict], device) -> tuple[list, AnchorRound]:
         """One anchor per group (EOS alone where the row has none) and the round's bookkeeping.
 
         Collective: the visit counts are updated with every process's prompts, so a rotation continues wherever
@@ -107,14 +107,14 @@ class ColumnAnchors:
         anchors = [self.tokenize(text) if text is not None else [self.tokenizer.eos_token_id] for text in texts]
         offered = torch.tensor([text is not None for text in texts], device=device)
         groups = len(texts)
-        armor_round = {
-            "column": True,
-            "found": offered,  # until verify_round has seen the rewards
-            "has_anchor": offered.clone(),
-            "reward": torch.full((groups,), float("nan"), device=device),
-            "candidates_verified": torch.empty(0, device=device),
-            "cache_hits": torch.tensor([0.0, groups], device=device),
-        }
+        armor_round = AnchorRound(
+            found=offered,  # until verify_round has seen the rewards
+            has_anchor=offered.clone(),
+            reward=torch.full((groups,), float("nan"), device=device),
+            candidates_verified=torch.empty(0, device=device),
+            cache_hits=torch.tensor([0.0, groups], device=device),
+            column=True,
+        )
         return anchors, armor_round
 
     def state_dict(self) -> dict:
@@ -124,16 +124,16 @@ class ColumnAnchors:
         self.visits = dict(state["visits"])
 
 
-def verify_round(armor_round: dict, slot_rewards: torch.Tensor, weights, threshold: float, use_funcs=None):
+def verify_round(armor_round: AnchorRound, slot_rewards: torch.Tensor, weights, threshold: float, use_funcs=None):
     """Keep the column anchors whose rewards (slot rows, reward functions) reach ``threshold``.
 
     Returns how many anchors the column offered and how many of them were rejected.
     """
-    offered = armor_round["found"].to(slot_rewards.device)
+    offered = armor_round.found.to(slot_rewards.device)
     verified = verified_mask(slot_rewards, weights, threshold, use_funcs)
     found = offered & verified
     weighted = (torch.nan_to_num(slot_rewards) * weights.to(slot_rewards)).sum(dim=1)
-    armor_round["found"] = found
-    armor_round["has_anchor"] = found.clone()
-    armor_round["reward"] = torch.where(found, weighted, torch.full_like(weighted, float("nan")))
+    armor_round.found = found
+    armor_round.has_anchor = found.clone()
+    armor_round.reward = torch.where(found, weighted, torch.full_like(weighted, float("nan")))
     return int(offered.sum()), int((offered & ~verified).sum())

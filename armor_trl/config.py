@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .advantages import QUANTILE_INTERPOLATIONS
 from .mixture import default_alpha
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -156,8 +157,20 @@ class ArmorConfig(GRPOConfig):
     advantage_quantile: float | None = field(
         default=None,
         metadata={
-            "help": "QAE (arXiv 2509.22611): the group baseline is this quantile K of the group's rewards (linear "
-            "interpolation) instead of the mean; the std scaling is unchanged. The ARMOR paper used K = 0.4 / 0.45."
+            "help": "QAE (arXiv 2509.22611): the group baseline is this quantile K of the group's rewards (see "
+            "`advantage_quantile_interpolation`) instead of the mean; the std scaling is unchanged. The ARMOR paper "
+            "used K = 0.4 / 0.45."
+        },
+    )
+    advantage_quantile_interpolation: str = field(
+        default="inverted_cdf",
+        metadata={
+            "help": "How QAE's K-quantile of a group is taken. 'inverted_cdf' (default, QAE's definition): the smallest "
+            "reward r with at least a fraction K of the group at or below r, always a reward of the group; with 0/1 "
+            "rewards the baseline is 0 when the success rate p <= 1 - K and 1 otherwise (QAE's two regimes). 'lower', "
+            "'higher', 'nearest', 'midpoint', 'linear' as in torch.quantile; 'linear' (torch.quantile's default, "
+            "the ARMOR authors' code) gives fractional baselines when K*(G-1) is not an integer (G = 16, K = 0.45, "
+            "9/16 correct: 0.75), which mixes the two regimes."
         },
     )
     # --- ablations and reviewers' controls ---
@@ -209,7 +222,13 @@ class ArmorConfig(GRPOConfig):
     )
     anchor_loss_weight: float = field(
         default=1.0,
-        metadata={"help": "λ: weight of the anchor tokens' loss terms (the half-group variant's anchor loss weight)."},
+        metadata={
+            "help": "λ: weight of the anchor rows' loss terms (the half-group variant's anchor loss weight). The anchor "
+            "rows' advantages are multiplied by λ after the group statistics are computed (the clipped surrogate is "
+            "positively homogeneous in A, so each anchor token's loss term scales by λ). The anchors stay members of "
+            "their groups (their rewards enter the group mean and std) and their tokens stay in the loss normaliser: "
+            "λ = 0 removes the anchors' gradient, not their effect on the on-policy advantages or the token count."
+        },
     )
     anchor_source: str = field(
         default="reference",
@@ -357,6 +376,9 @@ class ArmorConfig(GRPOConfig):
             raise ValueError(f"dynamic_sampling_max_rounds must be an integer >= 1, got {self.dynamic_sampling_max_rounds}.")
         if self.advantage_quantile is not None and not 0.0 <= self.advantage_quantile <= 1.0:
             raise ValueError(f"advantage_quantile must lie in [0, 1] (or be None for the mean), got {self.advantage_quantile}.")
+        if self.advantage_quantile_interpolation not in QUANTILE_INTERPOLATIONS:
+            raise ValueError(f"advantage_quantile_interpolation must be one of {list(QUANTILE_INTERPOLATIONS)}, got "
+                             f"{self.advantage_quantile_interpolation!r}.")
         if (self.dynamic_sampling or self.advantage_quantile is not None) and (
             self.multi_objective_aggregation != "sum_then_normalize"
         ):

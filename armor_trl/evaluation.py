@@ -25,6 +25,7 @@ from transformers.trainer_utils import SaveStrategy
 from transformers.utils import logging
 from trl import GRPOTrainer
 
+from . import trl_seam
 from .rewards import completion_text
 
 logger = logging.get_logger(__name__)
@@ -272,8 +273,6 @@ def evaluate_with_trainer(
     problem per call) the transformers path draws the same completions for a problem whatever the number of
     processes. vLLM samples with its own seeds. The global RNG state and the model's train/eval mode are restored.
     """
-    from . import trl_seam
-
     n = check_k(k, num_samples)
     draws = 1 if temperature == 0 else n  # greedy: one completion per problem, repeated n times
     tokenizer = trainer.processing_class
@@ -438,7 +437,7 @@ class ValidationCallback(TrainerCallback):
         name = args.metric_for_best_model
         if name is None or name.removeprefix("eval_") not in values:
             return
-        is_new_best = self.trainer._determine_best_metric({f"eval_{k}": v for k, v in values.items()}, trial=None)
+        is_new_best = trl_seam.is_new_best(self.trainer, {f"eval_{k}": v for k, v in values.items()})
         if is_new_best and args.save_strategy == SaveStrategy.BEST:
             control.should_save = True  # transformers saves only after its own evaluation otherwise
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 from typing import Any
 
@@ -24,9 +23,11 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from . import trl_seam as seam
+
 REF_ADAPTER = "ref"
-STATE_FILE = "armor_state.json"
-REF_WEIGHTS_FILE = "armor_reference.pt"
+REF_WEIGHTS_FILE = "armor_reference.safetensors"
+LEGACY_REF_WEIGHTS_FILE = "armor_reference.pt"  # checkpoints written before safetensors
 
 
 def reset_due(step: int, reset_steps: int | None, every_step_until: int | None, at_steps=None) -> bool:
@@ -219,6 +220,11 @@ class ReferencePolicy:
         return self.synced_step == step
 
     # --- use ---------------------------------------------------------------------------------------------------
+    @property
+    def full_model(self) -> nn.Module | None:
+        """The separate reference model (None for a LoRA reference, which runs inside the policy)."""
+        return self.model if self.kind == "full" else None
+
     @contextlib.contextmanager
     def active(self, policy: nn.Module):
         """Within the block, a LoRA policy runs as the reference: the "ref" adapter is active and the model is in
@@ -226,9 +232,7 @@ class ReferencePolicy:
         if self.kind != "lora":
             yield
             return
-        from trl.trainer.utils import use_adapter
-
-        with _evaluating(policy), use_adapter(policy, adapter_name=REF_ADAPTER):
+        with _evaluating(policy), seam.adapter_active(policy, REF_ADAPTER):
             yield
 
     def parameters_of(self, policy: nn.Module) -> list[nn.Parameter]:
@@ -236,54 +240,37 @@ class ReferencePolicy:
         return [target for target, _ in self._pairs(policy)]
 
     # --- save / restore ----------------------------------------------------------------------------------------
-    def save(self, directory: str, policy: nn.Module, extra: dict[str, Any], write: bool = True) -> None:
-        """Write what rebuilds this reference exactly: its weights (or the "ref" adapter's), resets, and ``extra``.
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "resets": self.resets, "last_reset_step": self.last_reset_step,
+                "synced_step": self.synced_step, "weights_step": self.weights_step}
 
-        Collective under ZeRO-3 (parameters are gathered): call on every process, with ``write`` on one.
-        The state file is written last and atomically, so its presence marks a complete checkpoint.
-        """
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != self.kind:
+            raise ValueError(
+                f"The checkpoint holds a {state.get('kind')!r} reference but this run uses a {self.kind!r} one "
+                "(LoRA and full-model runs cannot resume each other)."
+            )
+        self.resets = state["resets"]
+        self.last_reset_step = state["last_reset_step"]
+        self.synced_step = state.get("synced_step")
+        self.weights_step = state.get("weights_step")
+
+    def save_weights(self, directory: str, policy: nn.Module, write: bool = True) -> None:
+        """Write the reference's weights (or the "ref" adapter's) as safetensors. Collective under ZeRO-3 (parameters
+        are gathered): call on every process, with ``write`` on one."""
+        from safetensors.torch import save_file
+
         tensors = {}
         for name, (target, _) in self._named_pairs(policy).items():
             with _gathered([target]):
                 if write:
-                    tensors[name] = target.detach().cpu().clone()
-        if not write:
-            return
-        torch.save(tensors, os.path.join(directory, REF_WEIGHTS_FILE))
-        state = {
-            "kind": self.kind,
-            "resets": self.resets,
-            "last_reset_step": self.last_reset_step,
-            "synced_step": self.synced_step,
-            "weights_step": self.weights_step,
-            **extra,
-        }
-        temporary = os.path.join(directory, STATE_FILE + ".tmp")
-        with open(temporary, "w") as f:
-            json.dump(state, f)
-        os.replace(temporary, os.path.join(directory, STATE_FILE))
+                    tensors[name] = target.detach().cpu().contiguous().clone()
+        if write:
+            save_file(tensors, os.path.join(directory, REF_WEIGHTS_FILE))
 
-    @staticmethod
-    def read_state(directory: str) -> dict[str, Any]:
-        path = os.path.join(directory, STATE_FILE)
-        if not os.path.exists(path):
-            raise ValueError(
-                f"Checkpoint {directory} has no {STATE_FILE}: it was not written (completely) by ArmorGRPOTrainer, so "
-                "the reference it trained against cannot be restored. To start a new ARMOR run from its weights, pass "
-                "it as `model` (and `ref_model`) instead of resuming."
-            )
-        with open(path) as f:
-            return json.load(f)
-
-    def load(self, directory: str, policy: nn.Module) -> dict[str, Any]:
-        """Restore the reference written by ``save``; return the saved state (with its ``extra`` keys)."""
-        state = self.read_state(directory)
-        if state.get("kind") != self.kind:
-            raise ValueError(
-                f"Checkpoint {directory} holds a {state.get('kind')!r} reference but this run uses a {self.kind!r} one "
-                "(LoRA and full-model runs cannot resume each other)."
-            )
-        tensors = torch.load(os.path.join(directory, REF_WEIGHTS_FILE), map_location="cpu")
+    def load_weights(self, directory: str, policy: nn.Module) -> None:
+        """Restore the weights written by :meth:`save_weights` (or by a FORMAT 1 checkpoint, without pickle)."""
+        tensors = _read_weights(directory)
         targets = {name: target for name, (target, _) in self._named_pairs(policy).items()}
         if tensors.keys() != targets.keys():
             only_saved = sorted(map(str, set(tensors) - set(targets)))[:3]
@@ -302,28 +289,18 @@ class ReferencePolicy:
                             f"{tuple(tensors[name].shape)}; this run's has {tuple(target.shape)}."
                         )
                     target.data.copy_(tensors[name].to(target.device, target.dtype))
-        self.resets = state["resets"]
-        self.last_reset_step = state["last_reset_step"]
-        self.synced_step = state.get("synced_step")
-        self.weights_step = state.get("weights_step")
-        return state
 
 
-def latest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
-    """The newest checkpoint folder that holds ARMOR's state file, and the newer ones that do not (incomplete)."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+def _read_weights(directory: str) -> dict[str, torch.Tensor]:
+    path = os.path.join(directory, REF_WEIGHTS_FILE)
+    if os.path.exists(path):
+        from safetensors.torch import load_file
 
-    found = []
-    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        prefix, _, step = name.rpartition("-")
-        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
-            found.append((int(step), os.path.join(output_dir, name)))
-    incomplete = []
-    for _, path in sorted(found, reverse=True):
-        if os.path.exists(os.path.join(path, STATE_FILE)):
-            return path, incomplete
-        incomplete.append(path)
-    return None, incomplete
+        return load_file(path, device="cpu")
+    legacy = os.path.join(directory, LEGACY_REF_WEIGHTS_FILE)
+    if os.path.exists(legacy):
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    raise ValueError(f"Checkpoint {directory} has no {REF_WEIGHTS_FILE}: the reference's weights cannot be restored.")
 
 
 def copy_model_for_reference(model: nn.Module) -> nn.Module:
@@ -354,3 +331,37 @@ class ReferenceResetCallback(TrainerCallback):
         if reset_due(state.global_step - start, self.reset_steps, self.every_step_until, self.at_steps):
             self.reference.reset(self.get_policy(), state.global_step)
         return control
+
+
+def build_reference(trainer, ref_model, ref_copy: nn.Module | None, quantization_config) -> ReferencePolicy:
+    """π_ref for ``trainer``: a frozen "ref" adapter for a PEFT policy; otherwise a separate model, built like
+    GRPOTrainer builds its reference model from ``ref_model`` (a model, a path), the copy of the initial policy
+    ``ref_copy`` or the policy's own path, and prepared for DeepSpeed / FSDP / accelerate like it."""
+    from accelerate.utils import is_peft_model
+
+    if is_peft_model(trainer.model):
+        return ReferencePolicy.lora(trainer.model)
+    args = trainer.args
+    if isinstance(ref_model, nn.Module):
+        model = ref_model
+    elif ref_copy is not None:
+        model = ref_copy
+    else:
+        source = ref_model if isinstance(ref_model, str) else seam.model_id(trainer.model)
+        init_kwargs = dict(args.model_init_kwargs or {})
+        if quantization_config is not None:
+            init_kwargs["quantization_config"] = quantization_config
+        if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+            init_kwargs["device_map"] = None
+        init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        init_kwargs.setdefault("dtype", trainer.model.dtype)
+        try:
+            model = seam.load_causal_lm(source, **init_kwargs)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"ref_model {source!r} could not be loaded as a causal LM: {error}") from error
+    if args.cast_lm_head_to_fp32:  # as GRPOTrainer casts the policy's head, so a reset copies it exactly
+        cast_lm_head_to_fp32(model)
+    reference = ReferencePolicy.full(seam.prepare_like_reference_model(trainer, model, args.cast_lm_head_to_fp32))
+    if ref_model is None:
+        reference.synced_step = reference.weights_step = 0  # a copy of the initial policy
+    return reference

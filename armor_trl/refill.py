@@ -2,7 +2,7 @@
 
 * :class:`RefillSampler` draws further training prompts when a generation round kept too few groups: a
   seeded stream of dataset indices (a fresh permutation per pass over the data), the same on every
-  process, each process taking its own share. Its state is one counter, saved with each checkpoint, so
+  process, each process taking its own share. Its state is one counter, saved with each checkpoint (:mod:`.checkpoint`), so
   a resumed run draws the prompts an uninterrupted run would have drawn.
 * :func:`take_rows` and :func:`concat_rows` cut rows out of the batch dicts that
   ``GRPOTrainer._generate_and_score_completions`` returns and join batches of different padded lengths
@@ -11,12 +11,8 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
-SAMPLER_FILE = "armor_refill.json"
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 
 
@@ -56,20 +52,6 @@ class RefillSampler:
                 "training data and seed."
             )
         self.drawn = state["drawn"]
-
-    def save(self, directory: str) -> None:
-        with open(os.path.join(directory, SAMPLER_FILE), "w") as f:
-            json.dump(self.state_dict(), f)
-
-    def load(self, directory: str) -> None:
-        path = os.path.join(directory, SAMPLER_FILE)
-        if not os.path.exists(path):
-            raise ValueError(
-                f"Checkpoint {directory} has no {SAMPLER_FILE}: it was written without dynamic_sampling, so the "
-                "refill stream cannot be continued. Resume with the settings it was written with."
-            )
-        with open(path) as f:
-            self.load_state_dict(json.load(f))
 
 
 def take_rows(batch: dict, rows: list[int]) -> dict:

@@ -1,19 +1,32 @@
-"""Every touch point of TRL's private surface, in one place.
+"""Every touch point of TRL's (and transformers' / vLLM's) private surface, in one place.
 
-ArmorGRPOTrainer overrides a few private methods of ``trl.GRPOTrainer`` (listed in
-``OVERRIDDEN``) and calls a few more through the helpers below. ``check_trl_surface`` verifies that
-all of them still exist with the parameters we rely on; the test suite runs it against the pinned
-TRL version, so a TRL upgrade that moves them fails loudly instead of silently running plain GRPO.
+ArmorGRPOTrainer overrides a few private methods of ``trl.GRPOTrainer`` (``OVERRIDDEN``), reads or writes a few
+private attributes (``ATTRIBUTES``), calls a few private methods (``CALLED``) and helpers that TRL does not export
+(``HELPERS``). No other module of armor_trl touches any of them (tests/test_trl_seam.py greps for it).
+``check_trl_surface`` verifies that all of them still exist with the parameters we rely on, and that
+``GRPOTrainer._compute_loss`` still computes the policy's log-probs with one call, the path by which the mixed
+log-probs reach TRL's loss (:func:`loss_logps_replaced`); the test suite runs it against the pinned TRL version, so a
+TRL upgrade that moves them fails loudly instead of silently running plain GRPO.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
+import os
 
-from transformers import GenerationConfig
+from transformers import GenerationConfig, Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
+from trl.trainer.utils import (
+    add_fused_lm_head,
+    create_model_from_path,
+    disable_dropout_in_model,
+    get_config_model_id,
+    use_adapter,
+)
 
 # private method -> parameters we pass or receive (in order, after self)
 OVERRIDDEN = {
@@ -26,6 +39,12 @@ OVERRIDDEN = {
     "_save_checkpoint": ["model", "trial"],
     "_load_optimizer_and_scheduler": ["checkpoint"],
 }
+# private methods called (not overridden) -> parameters we pass
+CALLED = {
+    "_get_output_dir": ["trial"],
+    "_determine_best_metric": ["metrics", "trial"],
+    "_load_from_checkpoint": ["resume_from_checkpoint"],
+}
 # What TRL's generation reads for its sampling settings: the trainer's GenerationConfig (transformers path) and the
 # vLLM wrapper's attributes (vLLM path, where generation_kwargs is applied last). The trainer's own attributes are
 # read elsewhere (the log-prob temperature); they are set too, so that nothing sees training's values in the block.
@@ -33,25 +52,110 @@ SAMPLING_ATTRIBUTES = ("temperature", "top_p", "max_completion_length")
 # private attributes read or written (the vLLM ones exist only with use_vllm=True, generation_config only without)
 ATTRIBUTES = (
     "_metrics", "_pending_extra_logs", "_pending_metrics", "model_wrapped", "use_vllm", "_tokenizer", "_buffered_inputs",
-    "generation_config", "generation_kwargs", *SAMPLING_ATTRIBUTES,
+    "_is_vlm", "generation_config", "generation_kwargs", *SAMPLING_ATTRIBUTES,
 )
 VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
+# TRL's vLLM wrapper (trl.generation.vllm_generation.VLLMGeneration, not exported): what we call and pass
+VLLM_ENGINE = "trl.generation.vllm_generation.VLLMGeneration"
+VLLM_ENGINE_METHODS = {"sync_weights": [], "generate": ["prompts", "images", "num_generations"]}
+VLLM_ENGINE_INIT = ["model", "accelerator", "processing_class", "mode", "server_base_url", "group_port"]
+# helpers imported from TRL modules that TRL's top level does not export (imported above: a move fails at import)
+HELPERS = ("trl.trainer.utils.add_fused_lm_head", "trl.trainer.utils.create_model_from_path",
+           "trl.trainer.utils.disable_dropout_in_model", "trl.trainer.utils.get_config_model_id",
+           "trl.trainer.utils.use_adapter", "trl.data_utils.is_conversational")
+# GRPOTrainer._compute_loss computes the micro-batch's policy log-probs with exactly this many calls of
+# _get_per_token_logps_and_entropies, and builds its ratio from that call's result (see loss_logps_replaced).
+LOSS_LOGPS_CALLS = 1
 
 SUPPORTED_TRL = ">=1.16.0,<1.17"
+
+
+def _starts_with(function, params: list[str]) -> str | None:
+    actual = list(inspect.signature(function).parameters)[1:]
+    return None if actual[: len(params)] == params else f"takes {actual}, expected to start with {params}"
 
 
 def check_trl_surface() -> list[str]:
     """Return a list of problems with TRL's private surface (empty when everything we use is there)."""
     problems = []
-    for name, params in OVERRIDDEN.items():
+    for name, params in {**OVERRIDDEN, **CALLED}.items():
         method = getattr(GRPOTrainer, name, None)
         if method is None:
             problems.append(f"GRPOTrainer.{name} is missing")
-            continue
-        actual = list(inspect.signature(method).parameters)[1:]
-        if actual[: len(params)] != params:
-            problems.append(f"GRPOTrainer.{name} takes {actual}, expected to start with {params}")
+        elif (problem := _starts_with(method, params)) is not None:
+            problems.append(f"GRPOTrainer.{name} {problem}")
+    calls = inspect.getsource(GRPOTrainer._compute_loss).count("self._get_per_token_logps_and_entropies(")
+    if calls != LOSS_LOGPS_CALLS:
+        problems.append(f"GRPOTrainer._compute_loss calls _get_per_token_logps_and_entropies {calls} times, expected "
+                        f"{LOSS_LOGPS_CALLS}: the mixed log-probs would not reach TRL's ratio as they should")
+    module_name, _, class_name = VLLM_ENGINE.rpartition(".")
+    try:
+        engine = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as error:
+        problems.append(f"{VLLM_ENGINE} cannot be imported: {error}")
+    else:
+        for name, params in {**VLLM_ENGINE_METHODS, "__init__": VLLM_ENGINE_INIT}.items():
+            method = getattr(engine, name, None)
+            if method is None:
+                problems.append(f"{class_name}.{name} is missing")
+            elif name == "__init__":
+                missing = sorted(set(params) - set(inspect.signature(method).parameters))
+                if missing:
+                    problems.append(f"{class_name}.__init__ lacks parameters {missing}")
+            elif (problem := _starts_with(method, params)) is not None:
+                problems.append(f"{class_name}.{name} {problem}")
     return problems
+
+
+def missing_attributes(trainer: GRPOTrainer) -> list[str]:
+    """The private attributes of ``ATTRIBUTES`` (and ``VLLM_ATTRIBUTES`` with vLLM) a trainer lacks."""
+    names = ATTRIBUTES + (VLLM_ATTRIBUTES if trainer.use_vllm else ())
+    if trainer.use_vllm:
+        names = tuple(name for name in names if name != "generation_config")
+    return [name for name in names if not hasattr(trainer, name)]
+
+
+# --- trainer state -------------------------------------------------------------------------------------------------
+def is_vlm(trainer: GRPOTrainer) -> bool:
+    """Whether TRL treats the model as vision-language (multimodal prompts)."""
+    return trainer._is_vlm
+
+
+def tokenizer(trainer: GRPOTrainer):
+    """The text tokenizer TRL uses (the processing class itself, or a processor's tokenizer)."""
+    return trainer._tokenizer
+
+
+def pad_token_id(trainer: GRPOTrainer) -> int:
+    """The id TRL pads prompts and completions with."""
+    return trainer._tokenizer.pad_token_id
+
+
+def log_metric(trainer: GRPOTrainer, name: str, value: float, mode: str = "train") -> None:
+    """Append a value to TRL's metric buffer; TRL averages and logs it at the next logging step."""
+    trainer._metrics[mode][name].append(float(value))
+
+
+def add_completion_column(trainer: GRPOTrainer, name: str, values: list) -> None:
+    """Extend a column of TRL's completions table (``log_completions``) for this round's local rows; TRL gathers it
+    across processes with the rows' prompts and completions, so it stays aligned with them."""
+    trainer._pending_extra_logs[name].extend(values)
+
+
+@contextlib.contextmanager
+def completion_columns_spread(trainer: GRPOTrainer, rows: list[int], total: int):
+    """Within the block, reward functions score (and log extra completion columns for) ``rows`` of a round of
+    ``total`` local rows only; afterwards each column they extended holds ``total`` entries, None for the other rows,
+    so TRL's completions table stays aligned with its rows."""
+    before = {column: len(values) for column, values in trainer._pending_extra_logs.items()}
+    yield
+    for column, values in trainer._pending_extra_logs.items():
+        start = before.get(column, 0)
+        if len(values) - start == len(rows):
+            spread = [None] * total
+            for row, value in zip(rows, values[start:]):
+                spread[row] = value
+            values[start:] = spread
 
 
 def engine_step(trainer: GRPOTrainer) -> int:
@@ -71,14 +175,110 @@ def discard_rollouts(trainer: GRPOTrainer) -> None:
         set_engine_step(trainer, -1)
 
 
-def pad_token_id(trainer: GRPOTrainer) -> int:
-    """The id TRL pads prompts and completions with."""
-    return trainer._tokenizer.pad_token_id
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+def checkpoint_dir(trainer: Trainer, step: int, trial=None) -> str:
+    """The folder transformers writes (or wrote) the checkpoint of optimizer step ``step`` to."""
+    return os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
 
 
-def log_metric(trainer: GRPOTrainer, name: str, value: float, mode: str = "train") -> None:
-    """Append a value to TRL's metric buffer; TRL averages and logs it at the next logging step."""
-    trainer._metrics[mode][name].append(float(value))
+@contextlib.contextmanager
+def rotation_deferred(trainer: Trainer):
+    """Within the block, ``Trainer._save_checkpoint`` writes a checkpoint without deleting older ones (it rotates
+    ``save_total_limit`` itself at its end); :func:`rotate` does it once the checkpoint is complete."""
+    limit = trainer.args.save_total_limit
+    trainer.args.save_total_limit = None
+    try:
+        yield
+    finally:
+        trainer.args.save_total_limit = limit
+
+
+def rotate(trainer: Trainer, trial=None) -> None:
+    """Delete checkpoints beyond ``save_total_limit`` (oldest first, the best one kept), as transformers does."""
+    if trainer.args.save_total_limit and trainer.args.should_save:
+        rotate_checkpoints(trainer._get_output_dir(trial=trial), trainer.args.save_total_limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+
+
+def load_weights(trainer: Trainer, checkpoint: str) -> None:
+    """Load a checkpoint's model weights into the policy (transformers' own loader: full model or adapter)."""
+    trainer._load_from_checkpoint(checkpoint)
+
+
+def is_new_best(trainer: Trainer, metrics: dict) -> bool:
+    """Feed evaluation-style metrics (``eval_`` keys) to transformers' best-checkpoint bookkeeping."""
+    return trainer._determine_best_metric(metrics, trial=None)
+
+
+# --- models ----------------------------------------------------------------------------------------------------------
+def model_id(model) -> str:
+    """The hub id or path a model was loaded from (TRL's helper)."""
+    return get_config_model_id(model.config)
+
+
+def load_causal_lm(source: str, **init_kwargs):
+    """Build a causal LM from a path or hub id the way GRPOTrainer builds its models."""
+    return create_model_from_path(source, **init_kwargs)
+
+
+def prepare_like_reference_model(trainer: GRPOTrainer, model, cast_lm_head_to_fp32: bool):
+    """What GRPOTrainer does to its own reference model: no dropout (if asked), its fused LM head, and the
+    DeepSpeed / FSDP / accelerate preparation for evaluation."""
+    from trl.models import prepare_deepspeed, prepare_fsdp
+
+    if trainer.args.disable_dropout:
+        disable_dropout_in_model(model)
+    add_fused_lm_head(model, temperature=trainer.temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+    if trainer.is_deepspeed_enabled:
+        return prepare_deepspeed(model, trainer.accelerator)
+    if trainer.is_fsdp_enabled:
+        return prepare_fsdp(model, trainer.accelerator)
+    return trainer.accelerator.prepare_model(model, evaluation_mode=True)
+
+
+def adapter_active(model, adapter_name: str):
+    """Context in which a PEFT model runs with ``adapter_name`` active (TRL's helper)."""
+    return use_adapter(model, adapter_name=adapter_name)
+
+
+# --- vLLM --------------------------------------------------------------------------------------------------------------
+def engine_model(engine):
+    """The model whose weights TRL's vLLM wrapper pushes."""
+    return engine.model
+
+
+def push_to_engine(engine, model=None) -> None:
+    """Make TRL's vLLM wrapper push ``model``'s weights (default: its own model; a PEFT model is merged with its
+    active adapter) and keep ``model`` as the one it pushes."""
+    if model is not None:
+        engine.model = model
+    engine.sync_weights()
+
+
+def set_engine_model(engine, model) -> None:
+    engine.model = model
+
+
+def engine_generate(engine, prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:
+    """Completion ids from TRL's vLLM wrapper (collective: every process calls it)."""
+    _, completion_ids, _, _ = engine.generate(prompt_ids, None, num_generations)
+    return completion_ids
+
+
+def server_engine(trainer: GRPOTrainer, base_url: str, group_port: int, shared_settings: tuple[str, ...]):
+    """A second TRL vLLM wrapper in server mode, sampling with the policy engine's ``shared_settings``."""
+    module_name, _, class_name = VLLM_ENGINE.rpartition(".")
+    engine_class = getattr(importlib.import_module(module_name), class_name)
+    policy_engine = trainer.vllm_generation
+    return engine_class(
+        model=trainer.accelerator.unwrap_model(trainer.model),
+        accelerator=trainer.accelerator,
+        processing_class=trainer.processing_class,
+        mode="server",
+        server_base_url=base_url,
+        group_port=group_port,
+        **{name: getattr(policy_engine, name) for name in shared_settings},
+    )
 
 
 def generate(trainer: GRPOTrainer, prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:
@@ -184,3 +384,36 @@ def per_token_logps(trainer: GRPOTrainer, model, input_ids, attention_mask, logi
         trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
     )
     return logps
+
+
+# --- the mixed ratio's path into TRL's loss ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def loss_logps_replaced(trainer: GRPOTrainer, replace):
+    """Within the block (one call of ``GRPOTrainer._compute_loss``), the policy log-probs TRL's loss is built from are
+    ``replace(logps)``: the override of ``_get_per_token_logps_and_entropies`` hands its result to
+    :func:`replaced_loss_logps`, which applies ``replace`` to the first call only (``LOSS_LOGPS_CALLS``). Yields a
+    dict whose ``"logps"`` and ``"entropies"`` hold that call's results afterwards. Raises if TRL did not make exactly that call."""
+    seen = {"replace": replace, "calls": 0}
+    trainer._armor_loss_logps = seen
+    try:
+        yield seen
+    finally:
+        trainer._armor_loss_logps = None
+    if seen["calls"] != LOSS_LOGPS_CALLS:
+        raise RuntimeError(
+            f"GRPOTrainer._compute_loss computed the policy's log-probs {seen['calls']} times, armor_trl expects "
+            f"{LOSS_LOGPS_CALLS} (trl_seam.LOSS_LOGPS_CALLS): this TRL version is not supported ({SUPPORTED_TRL})."
+        )
+
+
+def replaced_loss_logps(trainer: GRPOTrainer, logps, entropies=None):
+    """The log-probs to hand TRL from ``_get_per_token_logps_and_entropies``: ``replace(logps)`` for the loss's own
+    call inside :func:`loss_logps_replaced` (which keeps ``logps`` and ``entropies``), else ``logps`` unchanged."""
+    seen = getattr(trainer, "_armor_loss_logps", None)
+    if seen is None:
+        return logps
+    seen["calls"] += 1
+    if seen["calls"] > LOSS_LOGPS_CALLS:
+        return logps
+    seen["logps"], seen["entropies"] = logps, entropies
+    return seen["replace"](logps)

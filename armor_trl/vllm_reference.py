@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
+from . import trl_seam as seam
 from .reference import ReferencePolicy
 
 # VLLMGeneration settings taken from the policy's engine, so that the reference server samples like it.
@@ -53,18 +54,9 @@ class ReferenceServer:
     @classmethod
     def connect(cls, trainer, holds_initial_reference: bool) -> "ReferenceServer":
         """Connect to the server named by the trainer's ArmorConfig; sample with the policy engine's settings."""
-        from trl.generation.vllm_generation import VLLMGeneration
-
-        args, policy_engine = trainer.args, trainer.vllm_generation
-        engine = VLLMGeneration(
-            model=trainer.accelerator.unwrap_model(trainer.model),  # replaced by the reference's model at each push
-            accelerator=trainer.accelerator,
-            processing_class=trainer.processing_class,
-            mode="server",
-            server_base_url=args.vllm_reference_server_url,
-            group_port=args.vllm_reference_group_port,
-            **{name: getattr(policy_engine, name) for name in SHARED_SETTINGS},
-        )
+        args = trainer.args
+        engine = seam.server_engine(trainer, args.vllm_reference_server_url, args.vllm_reference_group_port,
+                                    SHARED_SETTINGS)
         return cls(engine, trainer.reference, trainer.accelerator.unwrap_model, holds_initial_reference)
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, policy) -> list[list[int]]:
@@ -74,16 +66,14 @@ class ReferenceServer:
         """
         if self.held_resets != self.reference.resets:
             self.push(policy)
-        _, completion_ids, _, _ = self.engine.generate(prompt_ids, None, num_generations)
-        return completion_ids
+        return seam.engine_generate(self.engine, prompt_ids, num_generations)
 
     def push(self, policy) -> None:
         """Send π_ref's current weights to the server (for LoRA: the base model with the "ref" adapter merged)."""
         if self.reference.kind == "full":
-            self.engine.model = self.unwrap(self.reference.model)
-            self.engine.sync_weights()
+            seam.push_to_engine(self.engine, self.unwrap(self.reference.model))
         else:
-            self.engine.model = policy
+            seam.set_engine_model(self.engine, policy)
             with self.reference.active(policy):  # TRL's sync merges the active adapter: "ref"
-                self.engine.sync_weights()
+                seam.push_to_engine(self.engine)
         self.held_resets = self.reference.resets

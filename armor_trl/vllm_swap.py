@@ -26,22 +26,21 @@ def reference_in_engine(trainer):
     if reference.equals_policy_at(step):
         # The engine may still hold older policy weights: bring it to the current ones, which are π_ref's too.
         if seam.engine_step(trainer) != step:
-            engine.sync_weights()
+            seam.push_to_engine(engine)
             seam.set_engine_step(trainer, step)
         yield
         return
-    policy_model = engine.model
+    policy_model = seam.engine_model(engine)
     try:
         if reference.kind == "full":
-            engine.model = trainer.accelerator.unwrap_model(reference.model)
-            engine.sync_weights()
+            seam.push_to_engine(engine, trainer.accelerator.unwrap_model(reference.model))
         else:
             with reference.active(trainer.accelerator.unwrap_model(trainer.model)):
-                engine.sync_weights()
+                seam.push_to_engine(engine)
         seam.set_engine_step(trainer, step)  # keep TRL's generation path from pushing the policy inside the block
         yield
     finally:
-        engine.model = policy_model
+        seam.set_engine_model(engine, policy_model)
         seam.set_engine_step(trainer, -1)  # the engine holds π_ref: TRL pushes the policy before its next rollout
 
 

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl.trainer.utils import nanstd as trl_nanstd
 
-from armor_trl.advantages import ALL_CORRECT, ALL_WRONG, KEPT, NO_ANCHOR, dynamic_sampling_keep, group_advantages, nanstd
+from armor_trl.advantages import (
+    ALL_CORRECT, ALL_WRONG, KEPT, NO_ANCHOR, dynamic_sampling_keep, group_advantages, group_quantile, nanstd,
+)
 
 nan = float("nan")
 
@@ -62,14 +64,43 @@ def test_advantages_equal_the_formula(groups, scale, quantile, data):
     group_size, rows = groups
     rewards = [v for row in rows for v in row]
     keep = data.draw(st.lists(st.booleans(), min_size=len(rows), max_size=len(rows)))
-    got = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size, scale, quantile, torch.tensor(keep))
+    got = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size, scale, quantile, torch.tensor(keep),
+                           interpolation="linear")
     assert got.tolist() == pytest.approx(direct_advantages(rewards, group_size, scale, quantile, keep), abs=1e-9)
 
 
 def test_qae_baseline_is_the_group_quantile():
-    # K = 0.4 of [0, 0, 1, 1, 1]: position 1.6 -> 0 + 0.6 * 1 = 0.6; no std scaling
-    advantages = group_advantages(torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0]), 5, "none", quantile=0.4)
+    # linear: K = 0.4 of [0, 0, 1, 1, 1]: position 1.6 -> 0 + 0.6 * 1 = 0.6; no std scaling
+    advantages = group_advantages(torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0]), 5, "none", quantile=0.4,
+                                  interpolation="linear")
     assert advantages.tolist() == pytest.approx([-0.6, -0.6, 0.4, 0.4, 0.4])
+    # inverted_cdf (default): the smallest reward with >= 40% of the group at or below it: 0
+    advantages = group_advantages(torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0]), 5, "none", quantile=0.4)
+    assert advantages.tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_qae_default_baseline_is_one_of_the_two_regimes_for_binary_rewards():
+    # the case: G = 16, K = 0.45, 9/16 correct; linear interpolation gives 0.75, QAE's definition 1 or 0
+    rewards = torch.tensor([0.0] * 7 + [1.0] * 9)
+    assert group_quantile(rewards.view(1, -1), 0.45, "linear").item() == pytest.approx(0.75)
+    for group_size in range(2, 21):
+        for correct in range(group_size + 1):
+            rewards = torch.tensor([0.0] * (group_size - correct) + [1.0] * correct).view(1, -1)
+            p = correct / group_size
+            expected = 0.0 if p <= 1 - 0.45 + 1e-12 else 1.0  # QAE: baseline 0 iff p <= 1 - K
+            assert group_quantile(rewards, 0.45).item() == expected, (group_size, correct)
+
+
+@given(st.lists(st.one_of(st.floats(-5, 5), st.just(float("nan"))), min_size=1, max_size=12),
+       st.floats(0.0, 1.0))
+def test_inverted_cdf_quantile_is_the_smallest_value_covering_k(values, k):
+    got = group_quantile(torch.tensor([values], dtype=torch.float64), k).item()
+    present = sorted(v for v in values if v == v)
+    if not present:
+        assert got != got  # NaN: no member
+        return
+    covering = [v for v in present if sum(w <= v for w in present) >= k * len(present)]
+    assert got == min(covering)
 
 
 def test_nanstd_matches_trl():

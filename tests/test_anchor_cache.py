@@ -8,10 +8,10 @@ from testing import count_reference_rows, digit_share_reward, logged, make_train
 
 def test_cache_is_lru_bounded_and_invalidated_by_a_new_reference():
     cache = AnchorCache(max_entries=2)
-    cache.put([1, 2], [7], 1.0)
-    cache.put([3], [8], 1.0)
-    assert cache.get([1, 2]) == ([7], 1.0)  # touch: [3] is now the least recently used
-    cache.put([4], [9], 1.0)
+    cache.put([1, 2], [7], [1.0])
+    cache.put([3], [8], [1.0])
+    assert cache.get([1, 2]) == ([7], [1.0])  # touch: [3] is now the least recently used
+    cache.put([4], [9], [1.0])
     assert len(cache) == 2 and cache.get([3]) is None and cache.get([1, 2]) is not None
     cache.sync(reference_version=0)
     assert len(cache) == 2
@@ -21,11 +21,11 @@ def test_cache_is_lru_bounded_and_invalidated_by_a_new_reference():
 
 def test_cache_state_round_trip():
     cache = AnchorCache(max_entries=5)
-    cache.put([1], [2, 3], 0.5)
+    cache.put([1], [2, 3], [0.5])
     cache.sync(0)
     restored = AnchorCache(max_entries=5)
     restored.load_state_dict(cache.state_dict())
-    assert restored.get([1]) == ([2, 3], 0.5) and restored.reference_version == 0
+    assert restored.get([1]) == ([2, 3], [0.5]) and restored.reference_version == 0
 
 
 def two_prompts():
@@ -73,8 +73,8 @@ def test_remembered_failures_are_skipped_then_retried():
     assert cache.known_failure([5], retry_every=3) == [9, 9]  # 2nd
     assert cache.known_failure([5], retry_every=3) is None  # 3rd visit: due for a retry
     cache.put_failure([6], [1])
-    cache.put([6], [2], 1.0)  # a later success replaces the failure
-    assert cache.known_failure([6], retry_every=3) is None and cache.get([6]) == ([2], 1.0)
+    cache.put([6], [2], [1.0])  # a later success replaces the failure
+    assert cache.known_failure([6], retry_every=3) is None and cache.get([6]) == ([2], [1.0])
     cache.put_failure([7], [1])
     cache.sync(reference_version=1)  # a new reference: failures are forgotten too
     assert cache.known_failure([7], retry_every=3) is None
@@ -113,13 +113,13 @@ def test_failures_need_the_anchor_cache(tmp_path):
 # --- several anchors per prompt (anchor_cache_per_prompt) --------------------------------------------------------
 def test_several_anchors_per_prompt_rotate_once_the_prompt_is_full():
     cache = AnchorCache(max_entries=4, per_prompt=2)
-    cache.put([1], [10], 1.0)
+    cache.put([1], [10], [1.0])
     assert cache.get([1]) is None  # one of two: still sampled
-    assert cache.get([1], partial=True) == ([10], 1.0)  # ... but usable when a round finds nothing
-    cache.put([1], [10], 1.0)  # the same completion twice is kept once
-    cache.put([1], [11], 0.9)
+    assert cache.get([1], partial=True) == ([10], [1.0])  # ... but usable when a round finds nothing
+    cache.put([1], [10], [1.0])  # the same completion twice is kept once
+    cache.put([1], [11], [0.9])
     assert [cache.get([1])[0] for _ in range(4)] == [[11], [10], [11], [10]]
-    cache.put([1], [12], 1.0)  # beyond two: the oldest goes
+    cache.put([1], [12], [1.0])  # beyond two: the oldest goes
     assert sorted(cache.get([1])[0] + cache.get([1])[0]) == [11, 12]
     restored = AnchorCache(max_entries=4, per_prompt=2)
     restored.load_state_dict(cache.state_dict())

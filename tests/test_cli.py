@@ -270,7 +270,7 @@ def test_resume_best_as_reference_starts_armor_from_the_best_checkpoint(recipe, 
     best = load_file(str(first / "checkpoint-1" / "model.safetensors"))
     import torch
 
-    reference = torch.load(second / "checkpoint-1" / "armor_reference.pt")
+    reference = load_file(str(second / "checkpoint-1" / "armor_reference.safetensors"))
     assert all(torch.equal(reference[name], best[name]) for name in best)  # π_ref = the best checkpoint's weights
     with pytest.raises(ValueError, match="no trainer_state.json best_model_checkpoint"):
         best_checkpoint(str(second), metric="val/missing")

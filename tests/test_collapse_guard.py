@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 from armor_trl import ArmorConfig
 from armor_trl.collapse_guard import best_index, collapse_detected
 from armor_trl.evaluation import ValidationCallback
-from armor_trl.reference import STATE_FILE
+from armor_trl.checkpoint import read_state
 from testing import capture_rounds, cpu_args, digit_share_reward, make_trainer
 
 
@@ -85,7 +85,7 @@ class Snapshot(TrainerCallback):
         self.trainer, self.at = trainer, {}
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.at[state.global_step] = {n: p.detach().clone() for n, p in self.trainer._unwrapped_policy().named_parameters()}
+        self.at[state.global_step] = {n: p.detach().clone() for n, p in self.trainer.unwrapped_policy().named_parameters()}
 
 
 def guarded(tiny_model_path, tiny_tokenizer, dataset, output_dir, action="armor", **overrides):
@@ -178,9 +178,9 @@ def test_resume_after_the_switch_continues_in_armor_mode_with_the_same_reference
     interrupted = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "run", **saving)
     interrupted.add_callback(StopAt(6))
     interrupted.train()
-    state = json.loads((tmp_path / "run" / "checkpoint-6" / STATE_FILE).read_text())
-    assert state["armor_started_at"] == 5 and state["collapse_guard"]["fired"]["best_step"] == 2
-    assert json.loads((tmp_path / "run" / "checkpoint-4" / STATE_FILE).read_text())["armor_started_at"] is None
+    parts = read_state(str(tmp_path / "run" / "checkpoint-6"))["parts"]
+    assert parts["schedule"]["armor_started_at"] == 5 and parts["collapse_guard"]["fired"]["best_step"] == 2
+    assert read_state(str(tmp_path / "run" / "checkpoint-4"))["parts"]["schedule"]["armor_started_at"] is None
 
     resumed = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "run", **saving)
     rounds = capture_rounds(resumed)

@@ -7,7 +7,7 @@ from datasets import Dataset
 from armor_trl import ArmorConfig
 from armor_trl.anchors import anchor_rows
 from armor_trl.column_anchors import ColumnAnchors, anchor_texts
-from armor_trl.reference import ReferencePolicy
+from armor_trl.checkpoint import read_state
 from testing import capture_rounds, count_reference_rows, cpu_args, logged, make_trainer
 
 
@@ -100,7 +100,7 @@ def test_several_anchors_rotate_per_visit(tiny_model_path, tiny_tokenizer, tmp_p
         assert len(texts) >= 2 * n
         for visit in range(len(texts) - n + 1):  # every n consecutive visits use every anchor once
             assert sorted(texts[visit : visit + n]) == sorted(options[prompt])
-    assert sum(trainer._column_anchors.visits.values()) == 2 * 6
+    assert sum(trainer.anchor_rollout.column.visits.values()) == 2 * 6
 
 
 def test_unverified_and_empty_anchors_count_as_missing(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
@@ -137,11 +137,12 @@ def test_rotation_state_is_saved_and_restored(tiny_model_path, tiny_tokenizer, t
     common = dict(anchor_source="column", save_strategy="steps", save_steps=2)
     first = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, max_steps=2, **common)
     first.train()
-    state = ReferencePolicy.read_state(str(tmp_path / "checkpoint-2"))
-    assert state["column_anchors"]["visits"] == first._column_anchors.visits and sum(first._column_anchors.visits.values()) == 4
+    state = read_state(str(tmp_path / "checkpoint-2"))["parts"]
+    column = first.anchor_rollout.column
+    assert state["column_anchors"]["visits"] == column.visits and sum(column.visits.values()) == 4
     resumed = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, max_steps=3, **common)
     resumed.train(resume_from_checkpoint=True)
-    assert sum(resumed._column_anchors.visits.values()) == 4 + 2
+    assert sum(resumed.anchor_rollout.column.visits.values()) == 4 + 2
 
 
 def test_rotation_start_is_seeded(tiny_tokenizer):

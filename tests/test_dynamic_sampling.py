@@ -7,7 +7,8 @@ when n % 3 == 0, by none when n % 3 == 1, and by every other sample (row parity)
 import pytest
 import torch
 
-from armor_trl.advantages import group_advantages
+from armor_trl.advantages import group_advantages, group_quantile
+from armor_trl.checkpoint import read_state
 from armor_trl.refill import RefillSampler, concat_rows, take_rows
 from testing import StopAt, has_digit_reward, logged, make_trainer, numbers_dataset, scripted, trainable_state
 
@@ -150,10 +151,11 @@ def test_resume_after_refill_rounds_continues_exactly(tiny_model_path, tiny_toke
     interrupted = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "cut", **common)
     interrupted.add_callback(StopAt(2))
     interrupted.train()
-    assert interrupted._refill.drawn > 0 and (tmp_path / "cut" / "checkpoint-2" / "armor_refill.json").exists()
+    assert interrupted.dynamic_sampling.refill.drawn > 0
+    assert read_state(str(tmp_path / "cut" / "checkpoint-2"))["parts"]["refill"]["drawn"] == interrupted.dynamic_sampling.refill.drawn
     resumed = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "cut", **common)
     resumed.train(resume_from_checkpoint=True)
-    assert resumed._refill.drawn == straight._refill.drawn
+    assert resumed.dynamic_sampling.refill.drawn == straight.dynamic_sampling.refill.drawn
     a, b = trainable_state(straight), trainable_state(resumed)
     assert max((a[n] - b[n]).abs().max().item() for n in a) == 0.0
 
@@ -230,15 +232,18 @@ def test_qae_uses_the_group_quantile_as_baseline(armor, tiny_model_path, tiny_to
     extra = {} if armor else PLAIN
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, numbers_dataset([2, 5, 8, 11]), tmp_path, reward_funcs=scripted, max_steps=1,
-        advantage_quantile=0.4, anchor_reward_threshold=0.0, **extra,
+        advantage_quantile=0.4, anchor_reward_threshold=0.0, anchor_num_samples=2, **extra,
     )
     _, batches = capture_batches(trainer)
     trainer.train()
-    # every prompt is "mixed": rows alternate 1, 0, 1, 0 (the anchor row too, scored in its group)
-    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0] * 2)
+    # every prompt is "mixed" (the scripted reward alternates 1, 0 with the row's position in a scoring call). Without
+    # anchors the batch is one call: 1, 0, 1, 0 per group. With anchors the call holds the 6 on-policy rows (1, 0, 1 |
+    # 0, 1, 0) and each anchor keeps the score it was verified with: the first of its K = 2 candidates, position 0 or 2.
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0] if armor else [1.0, 0.0, 1.0, 0.0] * 2)
     expected = group_advantages(rewards, G, "group", quantile=0.4)
     assert batches[0]["advantages"].tolist() == pytest.approx(expected.tolist(), abs=1e-6)
-    assert expected[0].item() == pytest.approx((1 - 0.2) / (0.5774 + 1e-4), abs=1e-3)  # baseline 0.2, not the mean 0.5
+    # QAE's baseline (K = 0.4): 1 where more than 60% of the group is correct (3 of 4), else 0; never the mean
+    assert group_quantile(rewards.view(-1, G), 0.4).flatten().tolist() == ([1.0, 0.0] if armor else [0.0, 0.0])
 
 
 def test_anchor_advantage_options_act_on_anchor_rows_only(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):

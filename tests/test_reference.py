@@ -34,12 +34,12 @@ class DistanceToPolicy(TrainerCallback):
 
     def __init__(self, trainer):
         self.trainer = trainer
-        policy = trainer._unwrapped_policy()
+        policy = trainer.unwrapped_policy()
         self.initial_reference = [p.detach().clone() for p in trainer.reference.parameters_of(policy)]
         self.to_policy, self.to_initial, self.resets = [], [], []
 
     def _pairs(self):
-        policy = self.trainer._unwrapped_policy()
+        policy = self.trainer.unwrapped_policy()
         return [(t, s) for t, s in self.trainer.reference._pairs(policy)]
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -96,7 +96,7 @@ def test_static_reference_never_changes(tiny_model_path, tiny_tokenizer, prompt_
 def test_lora_reference_is_a_frozen_adapter_outside_the_optimizer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1, **LORA)
     trainer.train()
-    ref_params = trainer.reference.parameters_of(trainer._unwrapped_policy())
+    ref_params = trainer.reference.parameters_of(trainer.unwrapped_policy())
     assert ref_params and not any(p.requires_grad for p in ref_params)
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert not any(id(p) in optimized for p in ref_params)
@@ -107,7 +107,7 @@ def test_explicit_ref_model_path_is_used(tiny_model_path, tiny_tokenizer, prompt
 
     other = build_tiny_model(tmp_path / "other", seed=123)
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, ref_model=other, max_steps=1)
-    pairs = trainer.reference._pairs(trainer._unwrapped_policy())
+    pairs = trainer.reference._pairs(trainer.unwrapped_policy())
     assert max((t - s).abs().max().item() for t, s in pairs) > 0  # a different model than the policy
 
 
@@ -120,8 +120,9 @@ def logps_gap(trainer):
     mask = torch.ones_like(input_ids)
     with torch.no_grad():
         policy = seam.per_token_logps(trainer, trainer.model, input_ids, mask, 8, 2)
-        with trainer._reference_ready():
-            reference = seam.per_token_logps(trainer, trainer._reference_model(), input_ids, mask, 8, 2)
+        model = trainer.reference.model if trainer.reference.kind == "full" else trainer.model
+        with trainer.reference.active(trainer.unwrapped_policy()):
+            reference = seam.per_token_logps(trainer, model, input_ids, mask, 8, 2)
     return (policy - reference).abs().max().item()
 
 
@@ -145,7 +146,7 @@ def test_reset_is_exact_with_an_fp32_lm_head(given_as, tiny_model_path, tiny_tok
     trainer = make_trainer(
         model, tiny_tokenizer, prompt_dataset, tmp_path, bf16=True, cast_lm_head_to_fp32=True, **extra
     )
-    policy, reference = trainer._unwrapped_policy(), trainer.reference.model
+    policy, reference = trainer.unwrapped_policy(), trainer.reference.model
     assert policy.lm_head.weight.dtype == torch.float32
     assert policy.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     # the reference's head is float32 like the policy's (so a reset does not round it), the rest stays bfloat16
@@ -180,5 +181,5 @@ def test_lora_reset_after_training_is_exact(lora, tiny_model_path, tiny_tokenize
     trainer.train()  # no reset scheduled: the trained adapter (embedding weights included) moves away from π_ref
     gap_before = logps_gap(trainer)
     assert gap_before > 1e-3
-    trainer.reference.reset(trainer._unwrapped_policy(), step=1)
+    trainer.reference.reset(trainer.unwrapped_policy(), step=1)
     assert logps_gap(trainer) == 0.0

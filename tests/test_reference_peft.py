@@ -70,13 +70,15 @@ def test_reference_adapter_save_then_load_restores_it_exactly(layout, tiny_model
     perturb(adapter_weights(model, "default").values(), seed=1)
     reference.reset(model, step=3)
     _, saved = policy_and_reference_logits(model, reference)
-    reference.save(str(tmp_path), model, extra={})
+    reference.save_weights(str(tmp_path), model)
+    state = reference.state_dict()
 
     perturb(adapter_weights(model, REF_ADAPTER).values(), seed=2)
     _, perturbed = policy_and_reference_logits(model, reference)
     assert (perturbed - saved).abs().max() > 0.1
 
-    reference.load(str(tmp_path), model)
+    reference.load_weights(str(tmp_path), model)
+    reference.load_state_dict(state)
     _, restored = policy_and_reference_logits(model, reference)
     assert (restored - saved).abs().max().item() == 0.0
     assert reference.synced_step == 3
@@ -136,7 +138,7 @@ def test_a_reference_adapter_that_does_not_mirror_the_trained_one_is_refused(tin
 
 def test_loading_a_reference_saved_with_other_adapter_weights_names_them(tiny_model_path, tmp_path):
     saved = peft_policy(tiny_model_path, target_modules=["q_proj", "v_proj"])
-    ReferencePolicy.lora(saved).save(str(tmp_path), saved, extra={})
+    ReferencePolicy.lora(saved).save_weights(str(tmp_path), saved)
     model = peft_policy(tiny_model_path, target_modules=["q_proj"])
     with pytest.raises(ValueError, match=r"other weights than this run's \(only in the checkpoint: \[.*v_proj\.lora_A"):
-        ReferencePolicy.lora(model).load(str(tmp_path), model)
+        ReferencePolicy.lora(model).load_weights(str(tmp_path), model)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from armor_trl.reference import STATE_FILE
+from armor_trl.checkpoint import STATE_FILE, read_state
 from testing import StopAt, digit_share_reward, make_trainer
 
 LORA = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), learning_rate=5e-2)
@@ -22,7 +22,7 @@ def run(tiny_model_path, tiny_tokenizer, dataset, output_dir, stop_at=None, resu
     if stop_at is not None:
         trainer.add_callback(StopAt(stop_at))
     trainer.train(resume_from_checkpoint=resume)
-    reference = [p.detach().clone() for p in trainer.reference.parameters_of(trainer._unwrapped_policy())]
+    reference = [p.detach().clone() for p in trainer.reference.parameters_of(trainer.unwrapped_policy())]
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     return trainer, reference, losses
 
@@ -35,7 +35,7 @@ def test_resume_restores_the_reset_reference_exactly(kind, tiny_model_path, tiny
     interrupted = tmp_path / "interrupted"
     first, _, _ = run(tiny_model_path, tiny_tokenizer, prompt_dataset, interrupted, stop_at=3, **extra)
     assert first.state.global_step == 3 and first.reference.resets == 1
-    state = json.loads((interrupted / "checkpoint-3" / STATE_FILE).read_text())
+    state = read_state(str(interrupted / "checkpoint-3"))["parts"]["reference"]
     assert state["resets"] == 1 and state["kind"] == kind
 
     resumed, resumed_reference, resumed_losses = run(
@@ -84,18 +84,18 @@ def test_rotation_keeps_the_last_complete_checkpoint_until_the_new_one_is_comple
         tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, save_strategy="steps", save_steps=1,
         save_total_limit=1,
     )
-    original_save = ReferencePolicy.save
+    original_save = ReferencePolicy.save_weights
 
     def save_then_die_at_step_2(self, directory, *args, **kwargs):
         if directory.endswith("checkpoint-2"):
             raise KeyboardInterrupt("killed while writing checkpoint-2")
         return original_save(self, directory, *args, **kwargs)
 
-    monkeypatch.setattr(ReferencePolicy, "save", save_then_die_at_step_2)
+    monkeypatch.setattr(ReferencePolicy, "save_weights", save_then_die_at_step_2)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert (tmp_path / "checkpoint-1" / STATE_FILE).exists()  # not rotated away before checkpoint-2 was complete
-    monkeypatch.setattr(ReferencePolicy, "save", original_save)
+    monkeypatch.setattr(ReferencePolicy, "save_weights", original_save)
     resumed = make_trainer(
         tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, save_strategy="steps", save_steps=1,
         save_total_limit=1,

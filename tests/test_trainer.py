@@ -126,7 +126,8 @@ def test_candidate_scoring_stays_out_of_logs(tiny_model_path, tiny_tokenizer, pr
         anchor_num_samples=3, log_completions=True,
     )
     trainer.train()
-    assert sorted(scored_rows) == [2 * 3, 8]  # candidates (2 groups × K=3) and the batch
+    # candidates (2 groups × K=3), then the batch's on-policy rows: the anchors keep the scores they were picked with
+    assert scored_rows == [2 * 3, 8 - 2]
     assert len(trainer._logs["prompt"]) == 8  # the completions table holds the batch only
     assert len(trainer._logs["extra"]["tag"]) == 8
 

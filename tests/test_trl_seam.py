@@ -1,7 +1,14 @@
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
 import trl
 from packaging.version import Version
 from packaging.specifiers import SpecifierSet
 
+import armor_trl
 from armor_trl import trl_seam
 
 
@@ -22,5 +29,65 @@ def test_private_attributes_we_touch_exist_on_a_trainer(tiny_model_path, tiny_to
     from testing import make_trainer
 
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
-    missing = [name for name in trl_seam.ATTRIBUTES if not hasattr(trainer, name)]
-    assert missing == []
+    assert trl_seam.missing_attributes(trainer) == []
+
+
+def test_surface_check_detects_a_loss_that_computes_the_log_probs_twice(monkeypatch):
+    def _compute_loss(self, model, inputs):
+        a = self._get_per_token_logps_and_entropies(model, inputs)
+        b = self._get_per_token_logps_and_entropies(model, inputs)
+        return a, b
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", _compute_loss)
+    assert any("2 times" in p for p in trl_seam.check_trl_surface())
+
+
+def test_the_mixed_log_probs_reach_the_loss_exactly_once_or_the_run_stops():
+    class Holder:
+        pass
+
+    trainer = Holder()
+    with trl_seam.loss_logps_replaced(trainer, lambda logps: logps * 2) as policy:
+        replaced = trl_seam.replaced_loss_logps(trainer, torch.ones(2), "entropies")
+    assert replaced.tolist() == [2.0, 2.0]
+    assert policy["logps"].tolist() == [1.0, 1.0] and policy["entropies"] == "entropies"
+    assert trl_seam.replaced_loss_logps(trainer, torch.ones(1)).tolist() == [1.0]  # outside the block: untouched
+    for calls in (0, 2):  # TRL's loss changed the way it computes the policy's log-probs: the run stops
+        with pytest.raises(RuntimeError, match=f"computed the policy's log-probs {calls} times"):
+            with trl_seam.loss_logps_replaced(trainer, lambda logps: logps):
+                for _ in range(calls):
+                    trl_seam.replaced_loss_logps(trainer, torch.ones(1))
+
+
+def private_names_of_grpo_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path) -> set[str]:
+    """Private attribute and method names of TRL's GRPOTrainer (class and a built instance), transformers' included."""
+    from testing import cpu_args, has_digit_reward
+
+    trainer = trl.GRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, train_dataset=prompt_dataset,
+                              args=trl.GRPOConfig(output_dir=str(tmp_path), **cpu_args()),
+                              processing_class=tiny_tokenizer)
+    names = set(dir(trl.GRPOTrainer)) | set(vars(trainer)) | set(trl_seam.VLLM_ATTRIBUTES)
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def test_no_module_but_the_seam_touches_trls_private_surface(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    private = private_names_of_grpo_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
+    assert {"_metrics", "_is_vlm", "_get_output_dir", "_determine_best_metric"} <= private  # the scan sees them
+    package = Path(armor_trl.__file__).parent
+    offences = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "trl_seam.py":
+            continue
+        tree = ast.parse(path.read_text())
+        own = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)} - set(trl_seam.OVERRIDDEN)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and re.match(r"(trl|vllm)\.", node.module or ""):
+                offences.append(f"{path.name}:{node.lineno}: imports from {node.module}")
+            if isinstance(node, ast.Import) and any(re.match(r"(trl|vllm)\.", a.name) for a in node.names):
+                offences.append(f"{path.name}:{node.lineno}: imports a TRL / vLLM submodule")
+            if isinstance(node, ast.Attribute) and node.attr in private and node.attr not in own:
+                # overriding a private method and calling the parent's version of it is what a subclass does
+                via_super = isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "super"
+                if not (via_super and node.attr in trl_seam.OVERRIDDEN):
+                    offences.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert offences == [], "\n".join(offences)

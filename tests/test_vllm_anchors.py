@@ -7,6 +7,8 @@ vLLM cannot be installed on CPU machines, so the engine is a fake with VLLMGener
 import torch
 from peft import LoraConfig
 
+from armor_trl import checks
+
 from testing import capture_rounds, logged, make_trainer
 
 
@@ -91,11 +93,11 @@ def test_lora_modules_to_save_with_vllm_anchors_is_refused(tiny_model_path, tiny
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, peft_config=config)
     trainer.use_vllm = True  # the check runs at construction; vLLM cannot be constructed on CPU
     with pytest.raises(ValueError, match="modules_to_save cannot sample anchors through vLLM"):
-        trainer._check_lora_with_vllm()
+        checks.check_built(trainer)
     plain = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "plain",
                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     plain.use_vllm = True
-    plain._check_lora_with_vllm()  # plain LoRA is fine
+    checks.check_built(plain)  # plain LoRA is fine
 
 
 def test_refill_rounds_use_the_engine_and_push_the_policy_back(tiny_model_path, tiny_tokenizer, tmp_path):

@@ -1,0 +1,221 @@
+"""Anchor Rollout (ARMOR.md, "Anchor Rollout"): one verified completion of π_ref in each group.
+
+:class:`AnchorRollout` fills a generation round: G − m on-policy completions per group from the trainer's own path,
+then m anchors per group, from the anchor cache, from the dataset's anchor column, or picked from
+``anchor_num_samples`` candidates sampled from π_ref and scored once with the trainer's reward functions. It returns
+the completions in TRL's row order and an :class:`~armor_trl.anchors.AnchorRound` with what the later steps need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import trl_seam as seam
+from .anchors import AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
+from .column_anchors import ColumnAnchors, verify_round
+from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
+
+
+class AnchorRollout:
+    """Samples, picks, caches and places the anchors of each generation round of ``trainer``."""
+
+    def __init__(self, trainer, train_dataset):
+        args = trainer.args
+        self.trainer, self.args = trainer, args
+        # anchor slots per group: none when the anchor only gates its group (anchor_gate_only)
+        self.slots_per_group = 0 if args.anchor_gate_only else args.anchors_per_group
+        self.funcs = trainer.verifier_funcs  # the reward functions that verify a candidate (None: all)
+        self.cache = AnchorCache(args.anchor_cache_size, args.anchor_cache_per_prompt) if args.anchor_cache else None
+        self.column = None
+        if args.anchor_source == "column":
+            self.column = ColumnAnchors(args.anchor_column, args.seed, seam.tokenizer(trainer),
+                                        trainer.max_completion_length)
+            self.column.check_dataset(train_dataset)
+
+    def register(self, state) -> None:
+        if self.cache is not None:
+            state.register("anchor_cache", self.cache.state_dict, self.cache.load_state_dict)
+        if self.column is not None:
+            state.register("column_anchors", self.column.state_dict, self.column.load_state_dict)
+
+    # --- a round -----------------------------------------------------------------------------------------------
+    def generate(self, generate_policy, prompt_ids: list, group_size: int, inputs: list[dict]):
+        """The round's completion ids (and vLLM sampling log-probs, or None) in row order, and its AnchorRound.
+
+        ``generate_policy(prompt_ids, n)`` is TRL's own generation of the on-policy completions.
+        """
+        rows, slots = len(prompt_ids), self.slots_per_group
+        firsts = list(range(0, rows, group_size))
+        on_policy_ids, on_policy_logprobs = generate_policy(
+            [prompt_ids[i] for i in policy_rows(rows, group_size, slots)], group_size - slots
+        )
+        anchor_ids, anchors = self.sample([prompt_ids[i] for i in firsts], [inputs[i] for i in firsts])
+        if not slots:  # anchor_gate_only: the anchors decided the gate and are not trained
+            return on_policy_ids, on_policy_logprobs, anchors
+        logprobs = None
+        if on_policy_logprobs is not None:  # vLLM: anchors were not sampled by the policy engine
+            logprobs = fill_groups(on_policy_logprobs, neutral_sampling_logprobs(anchor_ids), group_size, slots)
+        return fill_groups(on_policy_ids, anchor_ids, group_size, slots), logprobs, anchors
+
+    def sample(self, group_prompt_ids: list, group_inputs: list[dict]) -> tuple[list, AnchorRound]:
+        """``max(anchor slots, 1)`` anchors per group, group after group: from the cache, the column, or picked from K
+        reference candidates per ``anchor_selection``. Where no candidate is eligible the slot still gets one (so
+        shapes stay fixed) and ``found`` marks it; it is then no member of its group."""
+        trainer, args = self.trainer, self.args
+        device = trainer.accelerator.device
+        if self.column is not None and self.column.active(trainer.reference.resets):
+            return self.column.round_anchors(group_prompt_ids, group_inputs, device)
+        k, per_group, groups = args.anchor_num_samples, max(self.slots_per_group, 1), len(group_prompt_ids)
+        cached, known_failures = [None] * groups, [None] * groups
+        if self.cache is not None:
+            self.cache.sync(trainer.reference.resets)
+            cached = [self.cache.get(ids) for ids in group_prompt_ids]
+            if args.anchor_cache_failures:
+                known_failures = [
+                    None if hit is not None else self.cache.known_failure(ids, args.anchor_failure_retry_every)
+                    for ids, hit in zip(group_prompt_ids, cached)
+                ]
+        to_sample = [g for g in range(groups) if cached[g] is None and known_failures[g] is None]
+        # Generation and scoring are collective (ZeRO-3 gathers, rewards are gathered): every process samples
+        # the same number of groups. Spare places retry remembered failures, then repeat a group (discarded).
+        rounds = len(to_sample)
+        if self.cache is not None:
+            rounds = int(trainer.accelerator.gather(torch.tensor([rounds], device=device)).max())
+        retried = [g for g in range(groups) if known_failures[g] is not None][: max(rounds - len(to_sample), 0)]
+        used = to_sample + retried
+        sampled = used + [used[0] if used else 0] * (rounds - len(used))
+
+        weights = trainer.reward_weights
+        anchors = [[None] * per_group for _ in range(groups)]
+        scores = torch.full((groups, per_group, len(weights)), float("nan"))  # per reward function
+        for g in range(groups):
+            if cached[g] is not None:
+                anchors[g][0], scores[g, 0] = cached[g][0], torch.tensor(cached[g][1])
+            elif known_failures[g] is not None and g not in retried:
+                anchors[g][0] = known_failures[g]  # fills the slot; the group has no anchor this round
+        found = torch.tensor([[cached[g] is not None] + [False] * (per_group - 1) for g in range(groups)])
+        verified_frac = torch.empty(0)
+        if sampled:
+            candidate_ids, rewards = self._score_candidates(
+                [group_prompt_ids[g] for g in sampled], [group_inputs[g] for g in sampled], k
+            )
+            weights = weights.to(rewards.device)
+            chosen, _ = select_anchors(rewards, weights, k, args.anchor_reward_threshold, per_group,
+                                       args.anchor_selection, self.funcs)
+            verified = verified_mask(rewards, weights, args.anchor_reward_threshold, self.funcs)
+            verified_frac = verified.float()[: len(used) * k]
+            for position, g in enumerate(used):
+                for slot in range(per_group):
+                    index = int(chosen[position, slot])
+                    anchors[g][slot] = candidate_ids[position * k + max(index, 0)]
+                    if index >= 0:
+                        scores[g, slot], found[g, slot] = rewards[position * k + index].cpu(), True
+                if self.cache is not None:
+                    self._remember(g, group_prompt_ids[g], anchors, scores, found, candidate_ids, rewards, verified,
+                                   range(position * k, (position + 1) * k))
+        weighted = (torch.nan_to_num(scores) * trainer.reward_weights.cpu()).sum(dim=2)
+        reward = torch.where(found, weighted, torch.full_like(weighted, float("nan")))
+        found = found.to(device)
+        anchor_round = AnchorRound(
+            found=found.flatten() if self.slots_per_group else found.new_zeros(0),  # per anchor slot
+            has_anchor=found.any(dim=1),  # per group
+            reward=reward.flatten().to(device),
+            candidates_verified=verified_frac.to(device),
+            cache_hits=torch.tensor([sum(hit is not None for hit in cached), groups], device=device, dtype=torch.float),
+            rewards_per_func=scores.flatten(0, 1)[: groups * self.slots_per_group].to(device),
+        )
+        return [ids for group in anchors for ids in group], anchor_round
+
+    def _score_candidates(self, prompt_ids: list, inputs: list[dict], k: int):
+        """K candidates of π_ref per prompt and their rewards (rows, reward functions), NaN where None."""
+        trainer = self.trainer
+        candidate_prompt_ids = [ids for ids in prompt_ids for _ in range(k)]
+        candidate_inputs = [row for row in inputs for _ in range(k)]
+        candidate_ids = self._reference_candidates(candidate_prompt_ids, k)
+        prompts = [row["prompt"] for row in candidate_inputs]
+        completions = seam.decode(trainer, candidate_ids, seam.is_conversational_prompt(prompts[0]))
+        return candidate_ids, seam.score_quietly(trainer, candidate_inputs, prompts, completions, candidate_ids)
+
+    def _reference_candidates(self, prompt_ids: list, k: int) -> list:
+        """π_ref's completions: on the reference's own vLLM server when there is one, else on TRL's path (with the
+        policy's vLLM engine holding π_ref's weights meanwhile, or the reference model routed in)."""
+        trainer = self.trainer
+        if trainer.reference_server is not None:
+            return trainer.reference_server.generate(prompt_ids, k, trainer.unwrapped_policy())
+        if trainer.use_vllm:
+            with reference_in_engine(trainer):
+                return seam.generate(trainer, prompt_ids, k)
+        reference = trainer.reference
+        with reference.active(trainer.unwrapped_policy()), seam.generating_with(trainer, reference.full_model):
+            return seam.generate(trainer, prompt_ids, k)
+
+    def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:
+        """Keep up to anchor_cache_per_prompt verified candidates, the chosen anchor first; without one, reuse a kept
+        anchor of the prompt, or remember the failure."""
+        fresh = [i for i in span if verified[i]][: self.args.anchor_cache_per_prompt]
+        for i in fresh:
+            self.cache.put(prompt_ids, candidate_ids[i], rewards[i].tolist())
+        kept = None if fresh else self.cache.get(prompt_ids, partial=True)
+        if kept is not None:  # no verified candidate now, but the prompt has a kept anchor
+            anchors[g][0], scores[g, 0], found[g, 0] = kept[0], torch.tensor(kept[1]), True
+        elif not fresh and self.args.anchor_cache_failures:
+            self.cache.put_failure(prompt_ids, anchors[g][0])
+
+    # --- rows of a round ---------------------------------------------------------------------------------------
+    def slot_rows(self, rows: int, device) -> torch.Tensor:
+        """Local row indices of the anchor slots."""
+        group_size = self.trainer.num_generations
+        return torch.tensor(anchor_rows(rows, group_size, self.slots_per_group), device=device, dtype=torch.long)
+
+    def anchor_mask(self, rows: int, anchors: AnchorRound | None, device) -> torch.Tensor:
+        """(rows,) bool: the local rows that hold a verified anchor."""
+        mask = torch.zeros(rows, dtype=torch.bool, device=device)
+        if anchors is not None:
+            mask[self.slot_rows(rows, device)[anchors.found.to(device)]] = True
+        return mask
+
+    def empty_slots(self, rows: int, anchors: AnchorRound | None, device) -> torch.Tensor:
+        """(rows,) bool: the local anchor slots that hold no anchor (a filler, no member of its group)."""
+        empty = torch.zeros(rows, dtype=torch.bool, device=device)
+        if anchors is not None:
+            empty[self.slot_rows(rows, device)[~anchors.found.to(device)]] = True
+        return empty
+
+    def score_round(self, score, inputs, prompts, completions, completion_ids, anchors: AnchorRound):
+        """TRL's reward tensor (all processes' rows, reward functions) of a round whose anchors were scored when they
+        were picked: ``score`` (TRL's scoring) runs on the on-policy rows only and the anchors keep their scores, so
+        a verified anchor is never judged twice (a verifier timeout could turn it into a negative advantage)."""
+        rows, group_size = len(prompts), self.trainer.num_generations
+        keep = policy_rows(rows, group_size, self.slots_per_group)
+        with seam.completion_columns_spread(self.trainer, keep, rows):
+            scored = score(*([items[i] for i in keep] for items in (inputs, prompts, completions, completion_ids)))
+        processes = self.trainer.accelerator.num_processes
+        slots = self.slot_rows(rows, scored.device)
+        anchor_scores = self.trainer.accelerator.gather(anchors.rewards_per_func.to(scored.device))
+        rewards = scored.new_full((rows * processes, scored.size(1)), float("nan"))
+        keep = torch.tensor(keep, device=scored.device, dtype=torch.long)
+        for rank in range(processes):
+            rewards[rank * rows + keep] = scored[rank * len(keep) : (rank + 1) * len(keep)]
+            rewards[rank * rows + slots] = anchor_scores[rank * len(slots) : (rank + 1) * len(slots)].to(scored)
+        return rewards
+
+    def verify_column(self, rewards: torch.Tensor, rows: int, anchors: AnchorRound) -> tuple[int, int]:
+        """A column anchor below anchor_reward_threshold counts as missing (scored by TRL as a group member);
+        returns how many this process's column offered and rejected."""
+        rank = self.trainer.accelerator.process_index
+        local = rewards[rank * rows : (rank + 1) * rows][self.slot_rows(rows, rewards.device)]
+        weights = self.trainer.reward_weights.to(rewards.device)
+        return verify_round(anchors, local, weights, self.args.anchor_reward_threshold, self.funcs)
+
+
+def reward_func_mask(names, reward_func_names: list[str]) -> torch.Tensor | None:
+    """(F,) bool: the reward functions that decide whether a candidate is correct (None = all)."""
+    if names is None:
+        return None
+    unknown = sorted(set(names) - set(reward_func_names))
+    if unknown:
+        raise ValueError(
+            f"anchor_reward_funcs names {unknown}, which are not among this trainer's reward functions "
+            f"{reward_func_names}."
+        )
+    return torch.tensor([name in names for name in reward_func_names])

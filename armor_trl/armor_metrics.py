@@ -1,0 +1,109 @@
+"""What ARMOR logs beside TRL's metrics (all processes reduced; a metric without data in a step is not logged).
+
+TRL's own ``reward``, ``entropy`` and ``completions/mean_length`` are over every row of the batch, anchors included;
+the ``armor/policy_*`` and ``armor/anchor_*`` versions split them by row type.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.utils import logging
+
+from . import trl_seam as seam
+from .mixture import k3_kl, mixed_logprobs
+
+logger = logging.get_logger(__name__)
+
+
+def share(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else math.nan
+
+
+class ArmorMetrics:
+    """Logs the anchors of a round, the anchor rows' advantages and the mixed ratio of each micro-batch."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self._warned_no_anchor = False
+
+    def _sums(self, values: list[torch.Tensor]) -> list[float]:
+        return self.trainer.accelerator.reduce(torch.stack(values).float(), reduction="sum").tolist()
+
+    def log(self, name: str, value: float) -> None:
+        seam.log_metric(self.trainer, name, value)
+
+    def anchor_round(self, anchors, anchor_filter: str, threshold: float, cache) -> None:
+        trainer = self.trainer
+        has_anchor = trainer.accelerator.gather(anchors.has_anchor.float())
+        self.log("armor/anchor_found_frac", has_anchor.mean().item())
+        if has_anchor.sum() == 0 and not self._warned_no_anchor:
+            self._warned_no_anchor = True
+            effect = "nothing was trained" if anchor_filter == "drop" else "groups trained without anchors"
+            logger.warning(
+                f"No reference candidate reached anchor_reward_threshold={threshold} in this round ({effect}; "
+                f"anchor_filter={anchor_filter!r}). Check the reward functions and the threshold; "
+                "armor/anchor_found_frac tracks this (warned once)."
+            )
+        self.log("armor/groups_dropped_frac", 1.0 - has_anchor.mean().item() if anchor_filter == "drop" else 0.0)
+        self.log("armor/anchor_reward_mean", torch.nanmean(trainer.accelerator.gather(anchors.reward)).item())
+        verified = anchors.candidates_verified
+        verified_sum, verified_count = self._sums([verified.sum(), torch.tensor(float(verified.numel()),
+                                                                                device=verified.device)])
+        self.log("armor/candidates_verified_frac", share(verified_sum, verified_count))
+        if cache is not None:
+            hits, groups = trainer.accelerator.reduce(anchors.cache_hits, reduction="sum").tolist()
+            self.log("armor/anchor_cache_hit_frac", hits / groups)
+            self.log("armor/anchor_cache_size", len(cache))
+
+    def rows_by_type(self, output: dict, is_anchor: torch.Tensor) -> None:
+        """Completion length and advantage means of the on-policy rows and of the anchor rows in the loss."""
+        is_anchor = is_anchor.to(output["advantages"].device)
+        lengths = output["completion_mask"].sum(dim=1).float()
+        on_policy = ~is_anchor & (lengths > 0)
+        sums = self._sums([(lengths * rows).sum() for rows in (on_policy, is_anchor)]
+                          + [(output["advantages"] * rows).sum() for rows in (on_policy, is_anchor)]
+                          + [on_policy.sum(), is_anchor.sum()])
+        for index, kind in enumerate(("policy", "anchor")):
+            self.log(f"armor/{kind}_length_mean", share(sums[index], sums[4 + index]))
+            self.log(f"armor/{kind}_advantage_mean", share(sums[2 + index], sums[4 + index]))
+
+    @torch.no_grad()
+    def mixed_ratio(self, inputs, logps, entropies, ref_logps, mixed_old, alpha, epsilon_low, epsilon_high) -> None:
+        """Per micro-batch, for on-policy and anchor rows: the mixed ratio's mean and extremes, the share of tokens
+        clipped, the KLs to π_ref and the entropy."""
+        mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
+        mixed = mixed_logprobs(logps, ref_logps, alpha)
+        ratio = torch.exp(mixed - (mixed if mixed_old is None else mixed_old))
+        advantages = inputs["advantages"].unsqueeze(1) if inputs["advantages"].dim() == 1 else inputs["advantages"]
+        anchor = inputs["armor_is_anchor"].unsqueeze(1) & mask
+        policy = ~inputs["armor_is_anchor"].unsqueeze(1) & mask
+        low = (ratio < 1 - epsilon_low) & (advantages < 0) & mask
+        high = (ratio > 1 + epsilon_high) & (advantages > 0) & mask
+        entropies = torch.zeros_like(logps) if entropies is None else entropies
+        total = self._sums([
+            (ratio * policy).sum(), policy.sum(), (ratio * anchor).sum(), anchor.sum(), low.sum(), high.sum(),
+            mask.sum(),
+            (k3_kl(logps, ref_logps) * policy).sum(),  # reverse KL(π_θ‖π_ref), on-policy samples
+            (k3_kl(ref_logps, logps) * anchor).sum(),  # forward KL(π_ref‖π_θ), anchor samples
+            (entropies * policy).sum(), (entropies * anchor).sum(),
+        ])
+        extremes = torch.stack([
+            torch.where(policy, ratio, math.inf).min(), -torch.where(policy, ratio, -math.inf).max(),
+            torch.where(anchor, ratio, math.inf).min(), -torch.where(anchor, ratio, -math.inf).max(),
+        ]).float()
+        policy_min, neg_policy_max, anchor_min, neg_anchor_max = (
+            self.trainer.accelerator.gather(extremes.unsqueeze(0)).min(dim=0).values.tolist()
+        )
+        self.log("armor/ratio_policy_mean", share(total[0], total[1]))
+        self.log("armor/ratio_anchor_mean", share(total[2], total[3]))
+        for name, value in (("armor/ratio_policy_min", policy_min), ("armor/ratio_policy_max", -neg_policy_max),
+                            ("armor/ratio_anchor_min", anchor_min), ("armor/ratio_anchor_max", -neg_anchor_max)):
+            self.log(name, value if math.isfinite(value) else math.nan)
+        self.log("armor/clip_low_frac", share(total[4], total[6]))
+        self.log("armor/clip_high_frac", share(total[5], total[6]))
+        self.log("armor/kl_reverse_policy", share(total[7], total[1]))
+        self.log("armor/kl_forward_anchor", share(total[8], total[3]))
+        self.log("armor/policy_entropy", share(total[9], total[1]))
+        self.log("armor/anchor_entropy", share(total[10], total[3]))

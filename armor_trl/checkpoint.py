@@ -1,0 +1,146 @@
+"""One checkpoint path for everything ARMOR adds to a run.
+
+Every piece of state (the reference's counters and weights, the α / reset schedule, the anchor cache, the column
+rotation, the refill sampler, the collapse guard) registers a ``state_dict`` / ``load_state_dict`` pair with
+:class:`ArmorState` (and, for tensors, a pair that writes / reads files). After transformers has written its part of a
+checkpoint, :meth:`ArmorState.save` writes the files, then ``armor_state.json`` last and atomically: its presence marks
+a complete checkpoint, on every path (ARMOR on or off). It also holds the run's fingerprint (the settings the state
+depends on), which a resume must match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+STATE_FILE = "armor_state.json"
+FORMAT = 2
+# Files of checkpoints written before FORMAT 2 (read when resuming them).
+LEGACY_REFILL_FILE = "armor_refill.json"
+LEGACY_GUARD_FILE = "collapse_guard.json"
+
+
+@dataclass
+class Part:
+    state_dict: Callable[[], object]
+    load_state_dict: Callable[[object], None]
+    save_files: Callable[[str, bool], None] | None = None  # (directory, write); collective under ZeRO-3
+    load_files: Callable[[str], None] | None = None
+
+
+def write_json_atomically(path: str, value) -> None:
+    temporary = path + ".tmp"
+    with open(temporary, "w") as f:
+        json.dump(value, f)
+    os.replace(temporary, path)
+
+
+def read_json(path: str):
+    """A JSON file's content; an error names the file and what is wrong with it."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); the file is damaged.") from error
+
+
+class ArmorState:
+    """The registry of a run's ARMOR state: saved and restored together, in registration order."""
+
+    def __init__(self):
+        self.parts: dict[str, Part] = {}
+
+    def register(self, name: str, state_dict, load_state_dict, save_files=None, load_files=None) -> None:
+        if name in self.parts:
+            raise ValueError(f"checkpoint state {name!r} is registered twice")
+        self.parts[name] = Part(state_dict, load_state_dict, save_files, load_files)
+
+    def save(self, directory: str, fingerprint: dict, write: bool = True) -> None:
+        """Write every part into ``directory`` (an existing checkpoint folder), the state file last. Call on every
+        process (files may be collective), with ``write`` on the one that writes."""
+        for part in self.parts.values():
+            if part.save_files is not None:
+                part.save_files(directory, write)
+        if write:
+            state = {"format": FORMAT, "config": fingerprint,
+                     "parts": {name: part.state_dict() for name, part in self.parts.items()}}
+            write_json_atomically(os.path.join(directory, STATE_FILE), state)
+
+    def load(self, directory: str, skip: tuple[str, ...] = ()) -> dict:
+        """Restore every registered part (but those in ``skip``) from ``directory``; return the saved parts."""
+        parts = read_state(directory)["parts"]
+        for name, part in self.parts.items():
+            if name in skip:
+                continue
+            if part.load_files is not None:
+                part.load_files(directory)
+            if parts.get(name) is not None:
+                part.load_state_dict(parts[name])
+        return parts
+
+
+def read_state(directory: str) -> dict:
+    """A checkpoint's ARMOR state (checkpoints of FORMAT 1 converted)."""
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"Checkpoint {directory} has no {STATE_FILE}: it was not written (completely) by ArmorGRPOTrainer, so its "
+            "ARMOR state cannot be restored. To start a new run from its weights, pass it as `model` (and "
+            "`ref_model`) instead of resuming."
+        )
+    state = read_json(path)
+    if state.get("format") == FORMAT:
+        return state
+    return _from_format_1(state, directory)
+
+
+def _from_format_1(state: dict, directory: str) -> dict:
+    """FORMAT 1 kept the reference's counters at the top level and the refill sampler / guard in files of their own."""
+    reference = {key: state.get(key) for key in ("kind", "resets", "last_reset_step", "synced_step", "weights_step")}
+    parts = {"reference": reference, "schedule": {"armor_started_at": state.get("armor_started_at", 0)},
+             "anchor_cache": state.get("anchor_cache"), "column_anchors": state.get("column_anchors"),
+             "collapse_guard": state.get("collapse_guard")}
+    for name, file in (("refill", LEGACY_REFILL_FILE), ("collapse_guard", LEGACY_GUARD_FILE)):
+        if os.path.exists(os.path.join(directory, file)):
+            parts[name] = read_json(os.path.join(directory, file))
+    return {"format": 1, "config": {"kind": state.get("kind"), **state.get("config", {})}, "parts": parts}
+
+
+def checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """The checkpoint folders of a run folder, as (step, path), newest first."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        prefix, _, step = name.rpartition("-")
+        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
+            found.append((int(step), os.path.join(output_dir, name)))
+    return sorted(found, reverse=True)
+
+
+def is_complete(checkpoint: str) -> bool:
+    return os.path.exists(os.path.join(checkpoint, STATE_FILE))
+
+
+def latest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
+    """The newest checkpoint folder that holds ARMOR's state file, and the newer ones that do not (incomplete)."""
+    incomplete = []
+    for _, path in checkpoints(output_dir):
+        if is_complete(path):
+            return path, incomplete
+        incomplete.append(path)
+    return None, incomplete
+
+
+def check_fingerprint(checkpoint: str, expected: dict) -> None:
+    """Refuse to resume ``checkpoint`` when it was written with other settings than ``expected``."""
+    saved = read_state(checkpoint)["config"]
+    differing = {k: (saved.get(k), v) for k, v in expected.items() if saved.get(k) != v}
+    if differing:
+        details = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in differing.items())
+        raise ValueError(
+            f"Cannot resume from {checkpoint}: it was written by a different ARMOR configuration ({details}). "
+            "Resume with the same settings, or start a new run with the checkpoint as `model`/`ref_model`."
+        )

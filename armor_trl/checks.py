@@ -1,0 +1,76 @@
+"""Checks of what a user hands ArmorGRPOTrainer, made before anything is built (errors name the field and the fix)."""
+
+from __future__ import annotations
+
+from transformers import ProcessorMixin
+
+
+def check_arguments(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft,
+                    train_dataset) -> None:
+    """Combinations ARMOR cannot train with, and inputs it cannot read."""
+    if not args.armor_enabled:
+        return
+    if ref_model is not None and uses_peft:
+        raise ValueError(
+            "ref_model cannot be combined with LoRA (peft_config or a PeftModel): the LoRA reference is a frozen "
+            "copy of the adapter. Merge the adapter you want as reference into the base model instead."
+        )
+    if args.use_anchors:
+        unsupported = {
+            "use_transformers_continuous_batching=True": args.use_transformers_continuous_batching,
+            "tools": bool(tools),
+            "rollout_func": rollout_func is not None,
+            "environment_factory": environment_factory is not None,
+            "a multimodal processing_class": isinstance(processing_class, ProcessorMixin),
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(
+                    f"use_anchors=True is not supported with {what} yet: anchors are sampled on the transformers or "
+                    "vLLM generation path. Set use_anchors=False to train with the mixed ratio only, or drop that option."
+                )
+    columns = getattr(train_dataset, "column_names", None)
+    if environment_factory is None and columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"train_dataset needs a 'prompt' column (a string or a list of chat messages); it has {columns}. "
+            "Rename your question column to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+        )
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is None:
+        raise ValueError(
+            "processing_class has neither a pad token nor an eos token; GRPO pads with the pad token (or eos). "
+            "Set tokenizer.pad_token (and eos_token) before creating the trainer."
+        )
+
+
+def check_built(trainer) -> None:
+    """Checks that need the built trainer (its model and generation engine)."""
+    from accelerate.utils import is_peft_model
+
+    from . import trl_seam as seam
+
+    args = trainer.args
+    if args.use_anchors and seam.is_vlm(trainer):
+        raise ValueError("use_anchors=True does not support vision-language models (multimodal prompts) yet.")
+    if is_peft_model(trainer.model) and trainer.use_vllm and args.use_anchors:
+        # TRL's vLLM weight sync maps "modules_to_save.default." and the trainable-token delta of the *trained*
+        # adapter onto the base names, so with the "ref" adapter active it would push the policy's copy of them.
+        config = trainer.model.peft_config[trainer.model.active_adapter]
+        extra = [name for name in ("modules_to_save", "trainable_token_indices") if getattr(config, name, None)]
+        if extra:
+            raise ValueError(
+                f"LoRA with {' and '.join(extra)} cannot sample anchors through vLLM: TRL's weight sync would push the "
+                "policy's copy of those weights instead of the reference's. Use target_modules only (plain LoRA), or "
+                "use_vllm=False."
+            )
+
+
+def check_prompt_lengths(model, prompt_ids: list, max_completion_length: int) -> None:
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(len(ids) for ids in prompt_ids)
+    if limit is not None and longest + max_completion_length > limit:
+        raise ValueError(
+            f"A prompt is {longest} tokens long; with max_completion_length={max_completion_length} that "
+            f"exceeds the model's max_position_embeddings ({limit}). Filter or truncate long prompts, or lower "
+            "max_completion_length."
+        )
