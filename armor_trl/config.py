@@ -207,9 +207,10 @@ class ArmorConfig(GRPOConfig):
     anchor_reward_funcs: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Names of the reward functions that decide whether a reference candidate is correct (the ARMOR "
-            "authors verify on correctness alone, so e.g. a length penalty does not reject a correct anchor). "
-            "`None` = all of them."
+            "help": "Names of the reward functions that judge correctness (the verifier): whether a reference "
+            "candidate is correct, and, with `dynamic_sampling`, whether a group's samples are all correct or all wrong "
+            "(the ARMOR authors and DAPO filter on correctness alone, so e.g. a length penalty neither rejects a "
+            "correct anchor nor keeps a group whose answers are all wrong). `None` = all of them."
         },
     )
     anchors_per_group: int = field(

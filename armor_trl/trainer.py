@@ -348,6 +348,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
             inputs = {**inputs, "sampling_per_token_logps": mixed_sampling}
         return inputs, mixed_old
 
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        seam.drop_metrics_without_values(self, "train" if self.model.training else "eval")
+        super().log(logs, start_time)
+
     # --- checkpoints -----------------------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         """The settings a checkpoint's ARMOR state depends on; resuming with different ones is refused."""

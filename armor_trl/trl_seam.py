@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import math
 import os
 
 from transformers import GenerationConfig, Trainer
@@ -132,8 +133,18 @@ def pad_token_id(trainer: GRPOTrainer) -> int:
 
 
 def log_metric(trainer: GRPOTrainer, name: str, value: float, mode: str = "train") -> None:
-    """Append a value to TRL's metric buffer; TRL averages and logs it at the next logging step."""
-    trainer._metrics[mode][name].append(float(value))
+    """Append a value to TRL's metric buffer; TRL averages and logs it at the next logging step. NaN (no data this
+    round) is left out: a metric without any value in a logging window is not logged (TRL would log None)."""
+    if not math.isnan(value):
+        trainer._metrics[mode][name].append(float(value))
+
+
+def drop_metrics_without_values(trainer: GRPOTrainer, mode: str) -> None:
+    """Forget the buffered metrics that hold no value but NaN (TRL would log them as None, which reporters warn
+    about), e.g. TRL's clip ratios of a step whose tokens were all masked out."""
+    metrics = trainer._metrics[mode]
+    for name in [name for name, values in metrics.items() if all(math.isnan(value) for value in values)]:
+        del metrics[name]
 
 
 def add_completion_column(trainer: GRPOTrainer, name: str, values: list) -> None:

@@ -239,3 +239,47 @@ def test_dormant_stage_trains_exactly_like_grpo_trainer(tiny_model_path, tiny_to
     assert dormant.collapse_guard.fired is None and not dormant.armor_active
     for (name, p), q in zip(grpo.model.named_parameters(), dormant.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_rollback_with_armor_restores_the_reference_its_resets_the_cache_and_the_schedule(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    # π_ref is reset after every step, so after the best step (2) it moves on; the rollback must bring back the
+    # checkpoint's π_ref, its reset count and anchor cache, and continue the schedule from step 2
+    trainer = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, action="rollback", max_steps=5,
+                      ref_reset_steps=1, anchor_cache=True, anchor_num_samples=2)
+    saved = {}
+    original = trainer.armor_state.load
+
+    def load(directory, skip=()):
+        saved["reference"] = {n: p.detach().clone() for n, p in trainer.reference.model.named_parameters()}
+        return original(directory, skip)
+
+    trainer.armor_state.load = load
+    restored = {}
+
+    class AtFire(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if trainer.collapse_guard.fired and not restored:
+                restored.update(resets=trainer.reference.resets, started=trainer.armor_started_at,
+                                cache=trainer.anchor_cache.state_dict(),
+                                reference={n: p.detach().clone() for n, p in trainer.reference.model.named_parameters()})
+
+    trainer.add_callback(AtFire())
+    trainer.train()
+    assert trainer.collapse_guard.fired["best_step"] == 2 and trainer.collapse_guard.fired["step"] == 5
+    checkpoint = read_state(str(tmp_path / "checkpoint-2"))["parts"]
+    assert restored["resets"] == checkpoint["reference"]["resets"] == 2  # not the 5 resets reached at the collapse
+    assert restored["cache"] == checkpoint["anchor_cache"]
+    assert restored["started"] == 3  # steps counted from 3: the schedule goes on as from step 2
+    weights = load_file(str(tmp_path / "checkpoint-2" / "armor_reference.safetensors"))
+    assert max_abs_difference(weights, restored["reference"]) == 0.0
+    assert any(not torch.equal(saved["reference"][n], restored["reference"][n]) for n in weights)  # it did change
+
+
+def test_guard_state_loads_known_fields_only(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, action="stop")
+    guard = trainer.collapse_guard
+    guard.load_state_dict({"steps": [1], "scores": [0.5], "trainer": None, "action": "armor", "drop": -1})
+    assert guard.steps == [1] and guard.scores == [0.5]
+    assert guard.trainer is trainer and guard.action == "stop" and guard.drop == 0.1

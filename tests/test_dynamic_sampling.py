@@ -281,3 +281,23 @@ def test_anchor_reward_funcs_must_name_reward_functions_of_the_trainer(
 ):
     with pytest.raises(ValueError, match=r"anchor_reward_funcs names \['length'\].*\['has_digit_reward'\]"):
         make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, anchor_reward_funcs=["length"])
+
+
+def test_the_keep_rule_judges_correctness_by_the_verifier_not_the_shaped_reward(
+    tiny_model_path, tiny_tokenizer, tmp_path
+):
+    def verifier(completions, **kwargs):  # every answer wrong
+        return [0.0] * len(completions)
+
+    def length_shaping(completions, **kwargs):  # a shaping reward that varies within every group
+        return [0.01 * position for position in range(len(completions))]
+
+    common = dict(dynamic_sampling=True, dynamic_sampling_max_rounds=1, max_steps=1, **PLAIN)
+    judged = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path / "verifier",
+                          reward_funcs=[verifier, length_shaping], anchor_reward_funcs=["verifier"], **common)
+    judged.train()
+    assert logged(judged, "armor/dropped_all_wrong_frac") == [1.0]  # all wrong: dropped, whatever the shaping
+    shaped = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path / "total",
+                          reward_funcs=[verifier, length_shaping], **common)
+    shaped.train()
+    assert logged(shaped, "armor/dropped_all_wrong_frac") == [0.0]  # None: the total reward decides, as before

@@ -359,3 +359,57 @@ def test_verifier_timeouts_are_logged(tiny_model_path, tiny_tokenizer, prompt_da
     )
     trainer.train()
     assert logged(trainer, "rewards/verifier_timeouts") == [3.0, 3.0]
+
+
+def test_anchors_are_scored_once_so_a_second_judgement_cannot_flip_them(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    calls = []
+
+    def flaky_verifier(completions, **kwargs):
+        """Verifies everything on its first call (the candidates), then judges everything wrong (as a verifier that
+        times out on a second pass would turn a verified anchor into a wrong one)."""
+        calls.append(len(completions))
+        return [1.0 if len(calls) == 1 else 0.0] * len(completions)
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=flaky_verifier,
+                           max_steps=1, anchor_num_samples=2)
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    assert calls == [2 * 2, 8 - 2]  # the candidates, then the on-policy rows only
+    is_anchor = rounds[0]["armor_is_anchor"]
+    assert is_anchor.sum() == 2 and logged(trainer, "armor/anchor_reward_mean") == [1.0]
+    # the anchors kept their verified score: they lead their groups of wrong answers (scored again, they would tie)
+    assert (rounds[0]["advantages"][is_anchor] > 0).all()
+
+
+def test_anchor_loss_weight_zero_removes_the_anchors_gradient_but_not_their_group_role(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    batches = {}
+    for weight in (1.0, 0.0):
+        trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / str(weight),
+                               anchor_loss_weight=weight, max_steps=1, anchor_num_samples=4)
+        batches[weight] = capture_rounds(trainer)
+        trainer.train()
+    full, zero = batches[1.0][0], batches[0.0][0]
+    anchors = zero["armor_is_anchor"]
+    assert anchors.any()
+    assert (zero["advantages"][anchors] == 0).all()  # λ = 0: no gradient from the anchor rows
+    # the same seed draws the same batch: on-policy advantages (group statistics with the anchor) and the token
+    # normaliser (anchor tokens included) are unchanged by λ, as the field's help says
+    assert torch.equal(zero["advantages"][~anchors], full["advantages"][~anchors])
+    assert zero["num_items_in_batch"] == full["num_items_in_batch"] and anchors.equal(full["armor_is_anchor"])
+
+
+def test_no_metric_is_logged_as_none_when_a_step_has_no_anchor(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    def never_correct(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=never_correct,
+                           max_steps=2, logging_steps=1)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and logged(trainer, "armor/anchor_found_frac") == [0.0, 0.0]
+    assert [key for entry in logs for key, value in entry.items() if value is None] == []
+    assert all("armor/ratio_anchor_mean" not in entry for entry in logs)  # no anchor rows: not logged, not None
