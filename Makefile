@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# pytest-xdist: one worker per core (TEST_WORKERS=0 runs in one process); the tests that launch several processes run
+# in two xdist groups (tests/conftest.py). PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS='-k resume'.
+TEST_WORKERS ?= auto
+PYTEST_ARGS ?=
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m pytest -q tests
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) tests
 
 # ARMOR vs GRPO step time / time split / peak RSS on the tiny model (a few minutes on 2 cores);
 # writes results/bench/bench.json and bench.md. BENCH_ARGS=--smoke for a quick structural run.

@@ -1,6 +1,13 @@
-"""Shared fixtures: offline environment, a tiny local model, small datasets.
+"""Shared fixtures: offline environment, a tiny local model, small datasets; how the suite shares the cores.
 
 Helpers (reward functions, trainer factories, recorders) live in testing.py; no test module imports conftest.
+
+Under pytest-xdist (``make test`` runs ``-n auto --dist loadgroup``) the slow tests, those that launch several
+processes (torchrun, accelerate launch, DeepSpeed), form two xdist groups of about equal length (LAUNCH_GROUPS):
+the tests of a group run one after another on one worker, so at most two launches share the cores, their ports
+never clash (the CLI's accelerate launches use the default port) and the module-scoped runs of
+test_multiprocess.py are made once. xdist sends the largest units out first; the other tests fill in. Each worker
+keeps torch to its share of the cores. Every test still gets its own tmp_path.
 """
 
 from __future__ import annotations
@@ -13,10 +20,30 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
+import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
 
 from armor_trl.tiny import build_tiny_model
+
+# xdist groups of the slow tests (those that launch several processes), by module; the rest join "launch-other".
+# Measured: with all of them in one group, that group alone was the whole run's critical path.
+LAUNCH_GROUPS = {"test_multiprocess.py": "launch-training"}  # DDP / ZeRO-2 / ZeRO-3 training runs, their resumes
+
+
+def pytest_configure(config):
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:  # an xdist worker: its share of the cores, for torch here and for the processes it starts
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group(LAUNCH_GROUPS.get(item.path.name, "launch-other")))
 
 
 @pytest.fixture(scope="session")
