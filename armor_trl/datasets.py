@@ -203,7 +203,10 @@ def load_rlvr_dataset(
         answer_format: the final-answer rule math_verify applies to completions (``boxed``, ``gsm8k``, ``dapo``,
             ``auto``). Default: ``dapo`` for prompts carrying DAPO's instruction (``instruction="dapo"``, DAPO-Math-17k),
             else the schema's (:data:`ANSWER_FORMATS`).
-    Other columns are dropped, except that a dataset's own ``solution`` is kept.
+    Other columns are dropped, except that a dataset's own ``solution`` is kept. Answers that are missing, NaN (a
+    JSON ``NaN``), ``"nan"`` or ``"None"`` load as None, "no answer" (the rewards do not apply to those rows), with a
+    warning that counts them; a dataset with no answer at all, and an empty or unreadable local file, are a
+    ``ValueError`` naming the source.
     """
     if source == "arithmetic":
         raise ValueError("Use arithmetic_dataset() (or dataset_name 'arithmetic' in a recipe) for the synthetic task.")
