@@ -5,14 +5,14 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean wheelhouse wheelhouse-check
+.PHONY: install test test-trl demo bench clean wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned, so that nothing resolves a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e ".[test,distributed]"
+	$(BIN)/pip install --quiet -e ".[test,deepspeed,experiments]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,6 +23,31 @@ TEST_WORKERS ?= auto
 PYTEST_ARGS ?=
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) tests
+
+# The TRL seam's surface test and the drop-in tests on another TRL release, in a scratch venv under /tmp (deleted
+# afterwards; KEEP_TRL_VENV=1 keeps it): torch $(TORCH_VERSION) first, then this package's dependencies with trl==$(TRL)
+# in place of the pinned range (so a release outside the pin can be tried), then the package itself, non-editable.
+# Usage: make test-trl TRL=1.16.0
+TRL ?=
+TRL_VENV ?= /tmp/armor-trl-test-trl-$(TRL)
+KEEP_TRL_VENV ?=
+test-trl:
+	@test -n "$(TRL)" || { echo "usage: make test-trl TRL=<version>, e.g. TRL=1.16.0"; exit 2; }
+	rm -rf $(TRL_VENV)
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install --quiet --upgrade pip
+	$(TRL_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION)
+	$(TRL_VENV)/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+		deps = p["dependencies"] + p["optional-dependencies"]["test"]; \
+		print("\n".join(d for d in deps if not d.replace(" ", "").startswith(("trl>", "trl<", "trl=", "trl["))))' \
+		> $(TRL_VENV)/requirements.txt
+	$(TRL_VENV)/bin/pip install --quiet -r $(TRL_VENV)/requirements.txt "trl==$(TRL)"
+	$(TRL_VENV)/bin/pip install --quiet --no-deps .
+	cd $(TRL_VENV) && export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 && \
+		bin/python -c 'import trl, armor_trl; print("trl", trl.__version__, "| armor_trl from", armor_trl.__file__)' && \
+		bin/pytest -q -p no:cacheprovider --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml \
+			$(CURDIR)/tests/test_trl_seam.py $(CURDIR)/tests/test_trainer.py; \
+		status=$$?; test -n "$(KEEP_TRL_VENV)" || rm -rf $(TRL_VENV); exit $$status
 
 # ARMOR vs GRPO step time / time split / peak RSS on the tiny model (a few minutes on 2 cores);
 # writes results/bench/bench.json and bench.md. BENCH_ARGS=--smoke for a quick structural run.

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 
@@ -44,16 +45,76 @@ def test_vllm_extra_brings_the_vllm_that_trl_supports(project):
     assert {"0.22.0", "0.31.0"} <= {spec.version for spec in vllm.specifier}  # TRL 1.16's: >=0.22.0,<=0.31.0
 
 
-def test_deepspeed_extra_and_its_old_name(project):
+def test_deepspeed_extra_and_no_duplicate(project):
     extras = project["optional-dependencies"]
-    assert extras["deepspeed"] == extras["distributed"]  # `distributed` stays as an alias (the Makefile uses it)
+    assert "distributed" not in extras  # the old duplicate of [deepspeed] is gone
     (ours,) = [Requirement(r) for r in extras["deepspeed"]]
     assert ours.name == "deepspeed"
     lowest = min(Version(spec.version) for spec in ours.specifier if spec.operator == ">=")
     assert lowest in trl_extra("deepspeed")["deepspeed"].specifier  # within what TRL's own extra accepts
     makefile = (REPO / "Makefile").read_text()
-    for used in re.findall(r'pip install[^\n]*-e "\.\[([^\]]+)\]"', makefile):
+    installs = re.findall(r'pip install[^\n]*-e "\.\[([^\]]+)\]"', makefile)
+    assert installs
+    for used in installs:
         assert set(used.split(",")) <= set(extras)
+        assert "experiments" in used.split(",")  # `make demo` draws its plots
+
+
+def test_matplotlib_is_an_experiments_extra_only(project):
+    assert "matplotlib" not in {Requirement(r).name for r in project["dependencies"]}
+    assert {Requirement(r).name for r in project["optional-dependencies"]["experiments"]} == {"matplotlib"}
+    # every import of matplotlib in the package is inside a function (lazy), in armor_trl/experiments only
+    import ast
+
+    for path in (REPO / "armor_trl").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top_level for a in n.names] + [n.module or "" for n in top_level
+                                                                 if isinstance(n, ast.ImportFrom)]
+        assert not any(name.split(".")[0] == "matplotlib" for name in names), path
+        if "matplotlib" in path.read_text():
+            assert path.parent.name == "experiments", path
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch):
+    import sys
+
+    from armor_trl.experiments import study
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(ImportError, match=re.escape("armor-trl[experiments]")):
+        study.pyplot()
+
+
+def test_lower_bounds_are_not_below_trls_own(project):
+    """A lower bound below the one TRL itself requires means nothing: ours are at least TRL's."""
+    ours = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    trl_core = {Requirement(r).name: Requirement(r) for r in requires("trl") or []
+                if Requirement(r).marker is None}
+    for name, theirs in trl_core.items():
+        if name not in ours:
+            continue
+        floor = [Version(s.version) for s in theirs.specifier if s.operator == ">="]
+        mine = [Version(s.version) for s in ours[name].specifier if s.operator == ">="]
+        assert mine and (not floor or min(mine) >= max(floor)), (name, str(ours[name].specifier), str(theirs.specifier))
+
+
+def test_license_urls_and_classifiers(project):
+    assert project["license"] == "Apache-2.0"
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    assert project["urls"] and all(url.startswith("https://") for url in project["urls"].values())
+    assert "YOUR_ORG" not in str(project["urls"])
+    assert any(c.startswith("Programming Language :: Python :: 3.11") for c in project["classifiers"])
+
+
+def test_supported_trl_matches_the_pin(project):
+    from armor_trl import trl_seam
+
+    core = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "trl")
+    assert core.specifier == SpecifierSet(trl_seam.SUPPORTED_TRL)
+    readme = (REPO / "README.md").read_text()
+    assert "make test-trl" in (REPO / "Makefile").read_text() and "make test-trl" in readme
 
 
 def test_test_extra_has_tensorboard(project):

@@ -307,15 +307,27 @@ def _band(runs: list[list[tuple[int, float]]], smooth: int = 1):
     return np.array(common), values.mean(axis=0), values.std(axis=0)
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, imported only when a plot is drawn: matplotlib is not a dependency of the
+    training library, it comes with the ``experiments`` extra."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(
+            "The study and demo plots need matplotlib, which armor-trl installs only with its experiments extra: "
+            "pip install 'armor-trl[experiments]' (or, in a clone, pip install -e '.[experiments]')."
+        ) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_study(curves: dict, out: Path, smooth: int = 5) -> None:
     """curves.png: validation accuracy and training reward per arm; kl.png: reverse KL(π_θ‖π_ref) on on-policy
     samples and forward KL(π_ref‖π_θ) on anchors; reference.png: the policy's validation accuracy next to that of
     the π_ref in use (:func:`stats.reference_accuracy`). Mean over seeds with a ±1 std band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     colors = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20")
     curves = {arm: {seed: {**c, "ref_val": stats.reference_accuracy(c["val"], c["ref_weights_step"])["curve"]}
                     for seed, c in runs.items()} for arm, runs in curves.items()}
