@@ -129,10 +129,10 @@ def test_readme_install_section_names_the_extras():
     assert f"vLLM {low}–{high}" in install
 
 
-def test_readme_field_table_documents_the_supported_loss_types_and_is_level():
+def test_field_table_documents_the_supported_loss_types_and_is_level():
     from armor_trl.config import SUPPORTED_LOSS_TYPES
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "configuration.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `loss_type`"))
     assert all(f"`{loss}`" in row.split("only", 1)[1].split("ValueError")[0] for loss in SUPPORTED_LOSS_TYPES)
     assert "not been derived" in row

@@ -1,0 +1,99 @@
+"""The README leads: install near the top, a quickstart that runs as written (model and data swapped for local ones),
+no link that leaves the repository."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+QUICKSTART_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+QUICKSTART_DATA = 'load_dataset("openai/gsm8k", "main", split="train")'
+
+
+def quickstart() -> str:
+    """The README's first python code block."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README.md has no ```python block"
+    return blocks[0]
+
+
+def test_install_comes_by_line_30():
+    lines = README.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines, 1) if line.strip() == "pip install armor-trl")
+    assert first <= 30
+
+
+def test_quickstart_is_short_and_uses_what_the_issue_asks_for():
+    code = quickstart()
+    assert len(code.strip().splitlines()) <= 20
+    assert QUICKSTART_MODEL in code and QUICKSTART_DATA in code
+    assert "peft_config=LoraConfig(" in code and "from armor_trl.rewards import" in code
+    compile(code, "README quickstart", "exec")
+
+
+def test_readme_keeps_its_commands_and_cites_the_paper():
+    text = README.read_text()
+    assert "make demo" in text and "make test" in text and "make test-trl" in text
+    for author in ("Kexin Huang", "Junkang Wu", "Jinda Lu", "Shuo Yang", "Chiyu Ma", "Jiancan Wu", "Xiang Wang",
+                   "Xiangnan He", "Guoyin Wang", "Jingren Zhou"):
+        assert author in text
+    assert "2607.10481" in text
+
+
+def test_no_link_leaves_the_repository():
+    """Relative links in README.md and docs/*.md point at files that exist in the repository."""
+    pages = [README, *sorted((REPO / "docs").glob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        assert "../shared" not in text, page
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target) or target.startswith(("#", "mailto:")):
+                continue
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            assert path.is_relative_to(REPO) and path.exists(), f"{page.name}: {target}"
+
+
+def test_quickstart_runs_on_the_tiny_model(tiny_model_path, tmp_path, monkeypatch):
+    """The quickstart as written, with the model name swapped for the tiny local model, GSM8K for a few local rows of
+    the same shape, and the config kept to two CPU steps."""
+    import armor_trl
+    import datasets
+
+    code = quickstart()
+    assert code.count(QUICKSTART_MODEL) == 1 and code.count(QUICKSTART_DATA) == 1
+    code = code.replace(QUICKSTART_MODEL, tiny_model_path).replace(QUICKSTART_DATA, "local_gsm8k_rows()")
+
+    def local_gsm8k_rows():  # GSM8K's columns and answer format
+        return datasets.Dataset.from_dict({
+            "question": [f"Tom has {i} apples and buys {i + 1} more. How many apples does he have?" for i in range(16)],
+            "answer": [f"{i} + {i + 1} = <<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1}\n#### {2 * i + 1}" for i in range(16)],
+        })
+
+    config_class = armor_trl.ArmorConfig
+    made = []
+
+    def cpu_config(**kwargs):
+        """The README's ArmorConfig, kept to two CPU steps in tmp_path. A random tiny model never solves GSM8K, so no
+        anchor is found: the check that stops such a run early (where it exists) is off here, it is tested elsewhere."""
+        overrides = dict(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                         num_generations=4, max_completion_length=8, use_cpu=True, bf16=False, report_to="none",
+                         save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, logging_steps=1)
+        if "anchor_fail_after_rounds" in {f.name for f in dataclasses.fields(config_class)}:
+            overrides["anchor_fail_after_rounds"] = 0
+        made.append(config_class(**{**kwargs, **overrides}))
+        return made[-1]
+
+    monkeypatch.setattr(armor_trl, "ArmorConfig", cpu_config)
+    namespace = {"local_gsm8k_rows": local_gsm8k_rows, "__name__": "readme_quickstart"}
+    exec(compile(code, "README quickstart", "exec"), namespace)
+
+    trainer = namespace["trainer"]
+    assert made and trainer.args is made[0]
+    assert trainer.state.global_step == 2
+    assert hasattr(trainer.model, "peft_config")  # LoRA from peft_config
+    assert any(key.startswith("armor/") for entry in trainer.state.log_history for key in entry)
