@@ -158,6 +158,18 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
     for name, source in named_validation_sets(script_args).items():
         lines.append(f"validation set {name}: {source}, logged as val/{name}/avg@n")
     lines += dataset_notes
+    if script_args.anchors_dataset:  # the anchor set's reference, rows and columns, before any weights are loaded
+        from . import pregenerate
+
+        reference = script_args.ref_model_name_or_path or model_args.model_name_or_path
+        column = getattr(training_args, "anchor_column", "anchors")
+        note = pregenerate.check_anchor_reference(script_args.anchors_dataset, reference,
+                                                  script_args.anchor_set_allow_other_reference)
+        anchors = pregenerate.load_anchors(script_args.anchors_dataset, column)
+        if train is not None:
+            pregenerate.attach_anchors(train, script_args.anchors_dataset, column)
+        lines.append(f"anchors dataset: {script_args.anchors_dataset}, {len(anchors)} rows"
+                     + (f"; warning: {note}" if note else f", sampled from this run's reference {reference}"))
     world = training_args.world_size
     local = training_args.per_device_train_batch_size * training_args.steps_per_generation
     groups = local * world // training_args.num_generations

@@ -280,23 +280,134 @@ def finalize(output: str, settings: AnchorSettings, num_rows: int, rate: float |
     return metadata
 
 
-def load_anchors(path: str):
-    """The pre-generated dataset at ``path`` (the output folder or its anchors.parquet)."""
-    from datasets import load_dataset
+def anchor_file(path: str) -> str:
+    """The anchors.parquet of ``path`` (an `armor-trl anchors` output folder, or the file itself)."""
+    return os.path.join(path, MERGED_FILE) if os.path.isdir(path) else path
 
-    file = os.path.join(path, MERGED_FILE) if os.path.isdir(path) else path
+
+def _arrow_type_ok(arrow_type, what: str) -> bool:
+    import pyarrow as pa
+
+    text = lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)  # noqa: E731
+    listed = lambda t: pa.types.is_list(t) or pa.types.is_large_list(t)  # noqa: E731
+    if what == "anchors":  # a completion text or a list of them per row (all-empty lists are list<null>)
+        return text(arrow_type) or pa.types.is_null(arrow_type) or listed(arrow_type) and (
+            text(arrow_type.value_type) or pa.types.is_null(arrow_type.value_type))
+    if what == "prompt":  # a text, or a list of {role, content} messages
+        if text(arrow_type):
+            return True
+        return listed(arrow_type) and pa.types.is_struct(arrow_type.value_type) and \
+            {"role", "content"} <= {f.name for f in arrow_type.value_type}
+    return pa.types.is_integer(arrow_type)  # num_verified
+
+
+def load_anchors(path: str, column: str = "anchors"):
+    """The pre-generated dataset at ``path`` (the output folder or its anchors.parquet), checked at load: a missing,
+    truncated or unreadable file, a file without rows, and a missing or wrong-typed ``prompt`` / ``column`` /
+    ``num_verified`` column are each a one-line ValueError naming the file and what is wrong."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    file = anchor_file(path)
     if not os.path.isfile(file):
-        raise ValueError(f"anchors_dataset {path!r}: no {MERGED_FILE} there (run `armor-trl anchors` to the end first).")
-    return load_dataset("parquet", data_files=file, split="train")
+        where = f"no {MERGED_FILE} in the folder {path}" if os.path.isdir(path) else "no such file"
+        raise ValueError(f"anchors_dataset {file}: {where} (run `armor-trl anchors` to the end first).")
+    try:
+        table = pq.read_table(file)
+    except (pa.ArrowException, OSError) as error:
+        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ValueError(f"anchors_dataset {file}: not a readable parquet file, truncated or corrupt ({reason}); "
+                         "run `armor-trl anchors` again into a new folder.") from None
+    if table.num_rows == 0:
+        raise ValueError(f"anchors_dataset {file}: the file has 0 rows (no prompt, no anchor); run `armor-trl anchors` "
+                         "on the training set.")
+    for name, allowed in (("prompt", "a text or a list of {role, content} messages"),
+                          (column, "a completion text or a list of them"), ("num_verified", "an integer")):
+        if name not in table.column_names:
+            if name == "num_verified":
+                continue
+            raise ValueError(f"anchors_dataset {file}: no column {name!r} (it has {table.column_names}).")
+        arrow_type = table.schema.field(name).type
+        if not _arrow_type_ok(arrow_type, "anchors" if name == column else name):
+            raise ValueError(f"anchors_dataset {file}: column {name!r} has type {arrow_type}; it must hold {allowed}.")
+    return Dataset(table)
 
 
-def attach_anchors(train, path: str, column: str = "anchors"):
-    """Add the pre-generated ``column`` to the training set, matched by prompt; every prompt must have a row."""
-    anchors = load_anchors(path)
-    if column not in anchors.column_names:
-        raise ValueError(f"anchors_dataset {path!r} has no column {column!r} (it has {anchors.column_names}).")
-    by_prompt = {json.dumps(p, sort_keys=True): a for p, a in zip(anchors["prompt"], anchors[column])}
+def read_anchor_metadata(path: str) -> dict | None:
+    """metadata.json next to the anchor set (None when there is none); a ValueError naming it when corrupt."""
+    file = os.path.join(os.path.dirname(os.path.abspath(anchor_file(path))), METADATA_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            metadata = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"anchors_dataset {file}: not valid JSON ({error}); the file is corrupt.") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"anchors_dataset {file}: expected a JSON object, got {type(metadata).__name__}.")
+    return metadata
+
+
+OVERRIDE_FIELD = "anchor_set_allow_other_reference"
+
+
+def check_anchor_reference(path: str, reference: str, allow_other: bool = False) -> str | None:
+    """Refuse an anchor set sampled from another model than the run's ``reference``: the weight fingerprints written to
+    its metadata.json are compared (the reference names where either is not a local folder). A ValueError naming both
+    unless ``allow_other``; then the mismatch is returned as a note (None when they match)."""
+    metadata = read_anchor_metadata(path)
+    file = os.path.join(os.path.dirname(os.path.abspath(anchor_file(path))), METADATA_FILE)
+    if metadata is None:
+        problem = f"no {METADATA_FILE} next to it, so the model its anchors come from is unknown"
+    else:
+        theirs, ours = metadata.get("reference_fingerprint"), weight_fingerprint(reference)
+        if theirs and ours:
+            if theirs == ours:
+                return None
+            problem = (f"its anchors come from {metadata.get('reference')!r} (weights fingerprint {theirs}), but this "
+                       f"run's reference is {reference!r} (fingerprint {ours})")
+        elif metadata.get("reference") == reference:
+            return None
+        else:
+            problem = (f"its anchors come from {metadata.get('reference')!r} (fingerprint {theirs}), but this run's "
+                       f"reference is {reference!r} (fingerprint {ours})")
+    if allow_other:
+        return f"anchors_dataset {path}: {problem}; accepted ({OVERRIDE_FIELD} true)."
+    raise ValueError(f"anchors_dataset {path}: {problem} ({file}). Anchors must be the reference's own verified "
+                     f"samples: run `armor-trl anchors` with this recipe, or set {OVERRIDE_FIELD}: true to accept them.")
+
+
+def attach_anchors(train, path: str, column: str = "anchors", reference: str | None = None,
+                   allow_other_reference: bool = False):
+    """Add the pre-generated ``column`` to the training set, matched by prompt; every prompt must have a row.
+
+    ``reference``: the run's reference model; the anchor set must come from it (:func:`check_anchor_reference`,
+    ``allow_other_reference`` accepts another). A prompt may appear in the anchor set as often as in the training set
+    (`armor-trl anchors` writes one row per training row); the anchors of its rows are then pooled, in file order.
+    More rows for a prompt than the training set has is a ValueError naming the prompt."""
+    if reference is not None:
+        note = check_anchor_reference(path, reference, allow_other_reference)
+        if note:
+            import warnings
+
+            warnings.warn(note, stacklevel=2)
+    anchors = load_anchors(path, column)
     keys = [json.dumps(p, sort_keys=True) for p in train["prompt"]]
+    by_prompt, rows_of, wanted = {}, {}, {}
+    for key in keys:
+        wanted[key] = wanted.get(key, 0) + 1
+    for row, (prompt, texts) in enumerate(zip(anchors["prompt"], anchors[column])):
+        key = json.dumps(prompt, sort_keys=True)
+        rows_of.setdefault(key, []).append(row)
+        if len(rows_of[key]) > max(wanted.get(key, 0), 1):
+            shown = repr(prompt) if len(repr(prompt)) <= 80 else repr(prompt)[:77] + "..."
+            raise ValueError(
+                f"anchors_dataset {anchor_file(path)}: the prompt {shown} is present {len(rows_of[key])} times (rows "
+                f"{', '.join(map(str, rows_of[key]))}) but {wanted.get(key, 0)} time(s) in the training set; give each "
+                "prompt as often as the training set does (rerun `armor-trl anchors` on it).")
+        pooled = by_prompt.setdefault(key, [])
+        pooled += [text for text in ([texts] if isinstance(texts, str) else texts or []) if text not in pooled]
     missing = sum(key not in by_prompt for key in keys)
     if missing:
         raise ValueError(
@@ -306,4 +417,3 @@ def attach_anchors(train, path: str, column: str = "anchors"):
     if column in train.column_names:
         train = train.remove_columns(column)
     return train.add_column(column, [by_prompt[key] for key in keys])
-

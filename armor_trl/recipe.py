@@ -98,6 +98,12 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
         metadata={"help": "method armor with anchor_source='column': folder written by `armor-trl anchors`; its "
                   "anchors are added to the training set as anchor_column, matched by prompt."},
     )
+    anchor_set_allow_other_reference: bool = field(
+        default=False,
+        metadata={"help": "Accept an anchors_dataset sampled from another model than this run's reference "
+                  "(ref_model_name_or_path, else model_name_or_path). Default: refused, since the weight fingerprint "
+                  "in its metadata.json must match; anchors from another model are not the reference's own samples."},
+    )
 
 
 def armor_only_fields() -> list[str]:
@@ -605,7 +611,9 @@ def build_trainer(script_args, training_args, model_args, callbacks=(), run_name
     if script_args.anchors_dataset:
         from .pregenerate import attach_anchors
 
-        train = attach_anchors(train, script_args.anchors_dataset, getattr(training_args, "anchor_column", "anchors"))
+        train = attach_anchors(train, script_args.anchors_dataset, getattr(training_args, "anchor_column", "anchors"),
+                               reference=script_args.ref_model_name_or_path or model_args.model_name_or_path,
+                               allow_other_reference=script_args.anchor_set_allow_other_reference)
     kwargs = dict(
         model=model_args.model_name_or_path,
         reward_funcs=rewards,

@@ -11,7 +11,7 @@ from armor_trl import pregenerate
 from armor_trl.anchors import anchor_rows
 from armor_trl.cli import main
 from armor_trl.pregenerate import AnchorSettings, TransformersSampler, finalize, generate_shards, prepare_output
-from testing import capture_rounds, count_reference_rows, has_digit_reward, logged, make_trainer
+from testing import capture_rounds, count_reference_rows, has_digit_reward, logged, make_trainer, write_parquet
 
 
 def settings_for(path, **overrides):
@@ -145,3 +145,120 @@ def test_cli_two_step_workflow(tiny_model_path, tmp_path, monkeypatch, capsys):
     assert metadata["prompts"] == 10 and metadata["max_anchors_per_prompt"] == 3 and metadata["threshold"] == 1.0
     assert all(has_digit_reward(row["anchors"]) == [1.0] * len(row["anchors"]) for row in merged(output))
     assert main(["train", "--config", str(path), "--anchor_source", "column", "--anchors_dataset", str(output)]) == 0
+
+
+# --- anchor sets checked at start (issue 19, item 3) -----------------------------------------------------------------
+def anchor_set(folder, prompts, reference, texts=None, **column_overrides):
+    """An anchor-set folder as `armor-trl anchors` writes it: anchors.parquet and metadata.json naming its reference."""
+    os.makedirs(folder, exist_ok=True)
+    rows = [{"prompt": p, "anchors": [f"{i}"] if texts is None else texts[i], "num_verified": 1}
+            for i, p in enumerate(prompts)]
+    for row in rows:
+        row.update(column_overrides)
+    write_parquet(os.path.join(folder, "anchors.parquet"), rows)
+    with open(os.path.join(folder, "metadata.json"), "w") as f:
+        json.dump({"reference": reference, "reference_fingerprint": pregenerate.weight_fingerprint(reference)}, f)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def other_model_path(tiny_model_path, tmp_path_factory):
+    """The tiny model with other weights: anchors sampled from it are not the tiny model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01)
+    path = str(tmp_path_factory.mktemp("other_model"))
+    model.save_pretrained(path)
+    return path
+
+
+def test_anchors_from_another_reference_are_refused_unless_allowed(prompt_dataset, tiny_model_path, other_model_path,
+                                                                    tmp_path):
+    train = prompt_dataset.select(range(4))
+    folder = anchor_set(tmp_path / "a", train["prompt"], other_model_path)
+    with pytest.raises(ValueError) as error:
+        pregenerate.attach_anchors(train, folder, reference=tiny_model_path)
+    message = str(error.value)
+    assert other_model_path in message and tiny_model_path in message and "\n" not in message
+    assert "anchor_set_allow_other_reference" in message
+    with pytest.warns(UserWarning, match="accepted"):
+        attached = pregenerate.attach_anchors(train, folder, reference=tiny_model_path, allow_other_reference=True)
+    assert attached["anchors"] == [["0"], ["1"], ["2"], ["3"]]
+    same = anchor_set(tmp_path / "b", train["prompt"], tiny_model_path)  # the run's own reference: accepted silently
+    assert pregenerate.attach_anchors(train, same, reference=tiny_model_path)["anchors"] == attached["anchors"]
+    os.remove(os.path.join(folder, "metadata.json"))  # unknown origin: refused too
+    with pytest.raises(ValueError, match="no metadata.json"):
+        pregenerate.attach_anchors(train, folder, reference=tiny_model_path)
+
+
+def test_train_refuses_anchors_of_another_model_before_loading_weights(tiny_model_path, other_model_path, tmp_path,
+                                                                      capsys):
+    from armor_trl.recipe import parse_train_args, train_datasets
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(dict(
+        model_name_or_path=tiny_model_path, dataset_name="arithmetic", arithmetic_train_size=6, use_cpu=True,
+        bf16=False, per_device_train_batch_size=8, num_generations=4, max_steps=1, report_to="none",
+        output_dir=str(tmp_path / "run"), anchor_source="column", reward_funcs=["exact_integer"])))
+    script, _, _, _ = parse_train_args(["--config", str(recipe)])
+    folder = anchor_set(tmp_path / "anchors", train_datasets(script)[0]["prompt"], other_model_path)
+    argv = ["train", "--config", str(recipe), "--anchors_dataset", folder, "--dry_run"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "armor-trl train: error: anchors_dataset" in err and other_model_path in err and tiny_model_path in err
+    assert main(argv + ["--anchor_set_allow_other_reference", "true"]) == 0
+    assert "accepted (anchor_set_allow_other_reference true)" in capsys.readouterr().out
+    assert main(argv + ["--model_name_or_path", other_model_path]) == 0  # the model the anchors come from
+
+
+def test_a_prompt_present_more_often_than_in_the_training_set_is_refused(prompt_dataset, tiny_model_path, tmp_path):
+    train = prompt_dataset.select(range(3))
+    prompts = list(train["prompt"]) + [train["prompt"][1]]
+    folder = anchor_set(tmp_path / "dup", prompts, tiny_model_path, texts=[["a"], ["b"], ["c"], ["d"]])
+    with pytest.raises(ValueError, match=r"the prompt '.*' is present 2 times \(rows 1, 3\) but 1 time"):
+        pregenerate.attach_anchors(train, folder, reference=tiny_model_path)
+    # a prompt the training set itself holds twice may have two rows (one per training row): their anchors pool
+    doubled = Dataset.from_dict({"prompt": prompts, "answer": list(train["answer"]) + [train["answer"][1]]})
+    attached = pregenerate.attach_anchors(doubled, folder, reference=tiny_model_path)
+    assert attached["anchors"] == [["a"], ["b", "d"], ["c"], ["b", "d"]]
+
+
+@pytest.mark.parametrize("column,value,named", [
+    ("anchors", 7, "column 'anchors' has type int64"),
+    ("anchors", [1, 2], r"column 'anchors' has type list<\w+: int64>"),
+    ("prompt", 3.5, "column 'prompt' has type double"),
+    ("num_verified", "many", "column 'num_verified' has type string"),
+])
+def test_wrong_typed_columns_fail_at_load_naming_column_and_type(prompt_dataset, tiny_model_path, tmp_path, column,
+                                                                 value, named):
+    train = prompt_dataset.select(range(2))
+    folder = anchor_set(tmp_path / "typed", train["prompt"], tiny_model_path, **{column: value})
+    with pytest.raises(ValueError, match=named) as error:
+        pregenerate.load_anchors(folder)
+    assert os.path.join(folder, "anchors.parquet") in str(error.value)
+
+
+def test_every_file_error_is_one_line_naming_the_file(prompt_dataset, tiny_model_path, tmp_path):
+    train = prompt_dataset.select(range(4))
+    folder = anchor_set(tmp_path / "file", train["prompt"], tiny_model_path)
+    file = os.path.join(folder, "anchors.parquet")
+    data = open(file, "rb").read()
+    cases = {}
+    with open(file, "wb") as f:  # a copy cut short (a killed transfer)
+        f.write(data[: len(data) // 2])
+    cases["truncated or corrupt"] = folder
+    empty = tmp_path / "empty.parquet"
+    Dataset.from_dict({"prompt": [], "anchors": []}).to_parquet(str(empty))
+    cases["0 rows"] = str(empty)
+    cases["no such file"] = str(tmp_path / "gone.parquet")
+    cases["no anchors.parquet in the folder"] = str(tmp_path)
+    for what, path in cases.items():
+        with pytest.raises(ValueError) as error:
+            pregenerate.attach_anchors(train, path)
+        message = str(error.value)
+        assert what in message and "\n" not in message, message
+        assert (os.path.join(path, "anchors.parquet") if os.path.isdir(path) else path) in message
