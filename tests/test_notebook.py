@@ -1,6 +1,6 @@
 """notebooks/armor_grpo_colab.ipynb: its install cell names a real source, every name it uses exists in the installed
 packages (with the keyword arguments it passes), and it runs end to end in its offline mode (tiny model, synthetic
-task, no network) against the installed armor_trl, writing checkpoints, TensorBoard logs and the plot."""
+task, no network) against armor_trl built as a wheel, writing checkpoints, TensorBoard logs and the plot."""
 
 from __future__ import annotations
 
@@ -121,7 +121,33 @@ def test_next_steps_name_installed_recipes():
         assert (CONFIGS / recipe).is_file(), recipe
 
 
-def test_notebook_runs_offline(tmp_path, monkeypatch):
+def built_wheel(tmp_path: Path) -> Path:
+    """armor_trl built as a wheel from a copy of the sources (nothing is written into the repository) and unpacked
+    with pip into a folder of its own, which the notebook's kernel gets first on its path."""
+    import shutil
+    import subprocess
+    import sys
+
+    repo = NOTEBOOK.parent.parent
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(repo / name, src / name)
+    for name in ("armor_trl", "configs"):
+        shutil.copytree(repo / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+                   check=True)
+    (wheel,) = (tmp_path / "dist").glob("armor_trl-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)], check=True)
+    return site
+
+
+def test_notebook_runs_offline_against_the_built_wheel(tmp_path, monkeypatch):
+    site = built_wheel(tmp_path)
+    # the kernel inherits the environment: the wheel's armor_trl comes before the editable install of the clone
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     params = next(cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", []))
     assert "OFFLINE_TINY = False" in params.source  # online (Colab) by default
@@ -129,14 +155,17 @@ def test_notebook_runs_offline(tmp_path, monkeypatch):
     params.source = params.source.replace("OFFLINE_TINY = False", "OFFLINE_TINY = True") + f"\nOUTPUT_DIR = {str(out)!r}"
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
         monkeypatch.setenv(name, "1")  # the kernel inherits them: any hub access fails
+    nb.cells.append(nbformat.v4.new_code_cell("import armor_trl; print('armor_trl from', armor_trl.__file__)"))
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError, with the cell's traceback, if a cell fails
 
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert f"armor_trl from {site / 'armor_trl' / '__init__.py'}" in text  # the wheel, not the clone
+    assert f"recipes: {site / 'armor_trl' / 'configs'}" in text  # next steps: the recipes inside the wheel
     assert "skipping the install" in text and "held-out: avg@2 =" in text
-    assert "resuming from: nothing (a new run)" in text and "recipes:" in text
+    assert "resuming from: nothing (a new run)" in text
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plot cell displayed no figure"
     assert (out / "curves.png").stat().st_size > 0
     metrics = json.loads((out / "metrics.json").read_text())
