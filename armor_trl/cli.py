@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .recipe import (
     DataArguments, TrainScriptArguments, build_trainer, held_out_source, load_datasets, named_validation_sets,
-    parse_train_args, read_json, read_jsonl, resolve_resume_from_checkpoint, train_datasets,
+    parse_train_args, read_json, read_jsonl, recipe_value, resolve_resume_from_checkpoint, train_datasets,
 )
 
 EVAL_RESULTS_FILE = "eval_results.json"  # what `armor-trl eval --output_dir DIR` writes there
@@ -57,8 +57,12 @@ def add_output_dir(parser: argparse.ArgumentParser, help: str, default=None, old
 class EvalArguments(DataArguments):
     """Fields of ``armor-trl eval``."""
 
-    model: str | None = field(default=None, metadata={"help": "Model path or hub id."})
-    dataset: str | None = field(default=None, metadata={"help": "Registry name, hub id, local file or 'arithmetic'."})
+    # required (argparse marks them so in --help's usage; a --config file may give them instead)
+    model: str | None = field(default=None, metadata={
+        "required": True, "help": "Model path or hub id, or a LoRA adapter folder (adapter_config.json: loaded on its "
+        "base model through PEFT). Required."})
+    dataset: str | None = field(default=None, metadata={
+        "required": True, "help": "Registry name, hub id, local file or 'arithmetic'. Required."})
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     split: str | None = field(default=None, metadata={"help": "Split (default: the registry's; 'test' for arithmetic)."})
     limit: int | None = field(default=None, metadata={"help": "Evaluate the first N problems only."})
@@ -93,8 +97,11 @@ def _dry_run_datasets(script_args: TrainScriptArguments):
             notes.append(f"{label} dataset: {source} ({where}) not checked: {error}")
             return None
 
-    train = attempt("train", s.dataset_name, lambda: load_datasets(
-        s, s.dataset_name, None, s.dataset_train_split, None, s.dataset_config, max_train=s.max_train_samples)[0])
+    if s.dataset_mixture is not None:
+        train = attempt("train", "datasets", lambda: train_datasets(s)[0])
+    else:
+        train = attempt("train", s.dataset_name, lambda: load_datasets(
+            s, s.dataset_name, None, s.dataset_train_split, None, s.dataset_config, max_train=s.max_train_samples)[0])
     source = held_out_source(s)
     held_out = None if source is None else attempt("held-out", source, lambda: load_datasets(
         s, None, source, s.dataset_train_split, s.dataset_test_split, s.dataset_config, max_eval=s.max_eval_samples)[1])
@@ -126,8 +133,9 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
 
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is required.")
-    if not script_args.dataset_name:
-        raise ValueError("dataset_name is required (a registry name, hub id, local file or 'arithmetic').")
+    if not script_args.dataset_name and script_args.dataset_mixture is None:
+        raise ValueError("dataset_name (a registry name, hub id, local file or 'arithmetic') or a datasets mixture is "
+                         "required.")
     rewards = resolve_rewards(script_args.reward_funcs)
     if script_args.val_every_steps > 0:
         from .evaluation import check_k
@@ -152,7 +160,9 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
         lines.append(f"LoRA: r {lora.r}, alpha {lora.lora_alpha}, target modules {lora.target_modules}")
     lines.append(f"rewards: {', '.join(script_args.reward_funcs)} (weights {weights or [1.0] * len(rewards)})")
     if train is not None:
-        lines.append(f"train dataset: {script_args.dataset_name}, {len(train)} rows; first prompt {train[0]['prompt']!r}")
+        source = script_args.dataset_name if script_args.dataset_mixture is None else "datasets mixture of " + ", ".join(
+            d.path for d in script_args.dataset_mixture.datasets)
+        lines.append(f"train dataset: {source}, {len(train)} rows; first prompt {train[0]['prompt']!r}")
     if held_out is not None:
         lines.append(f"held-out dataset: {len(held_out)} rows, validated every {script_args.val_every_steps} steps")
     for name, source in named_validation_sets(script_args).items():
@@ -291,8 +301,23 @@ def _start_from_best(script_args, training_args, model_args) -> str:
     return f"ARMOR starts from {path} (policy and reference): {why}"
 
 
+def require_recipe(argv: list[str], command: str) -> None:
+    """What a run needs before anything else is parsed (TRL's parser checks the hardware first: bf16 without a GPU):
+    a recipe or flags, the model and the training data; a ValueError naming what is missing."""
+    if not argv:
+        raise ValueError(f"give a recipe: armor-trl {command} --config recipe.yaml [--field value ...] "
+                         f"(armor-trl {command} --help lists the fields).")
+    if not recipe_value(argv, "model_name_or_path"):
+        raise ValueError("model_name_or_path is required: set it in the recipe (--config) or pass --model_name_or_path.")
+    if not recipe_value(argv, "dataset_name") and not recipe_value(argv, "datasets"):
+        raise ValueError("dataset_name (or a datasets mixture) is required: set it in the recipe (--config) or pass "
+                         "--dataset_name.")
+
+
 def train_main(argv: list[str]) -> int:
     try:
+        if not {"-h", "--help"} & set(argv):
+            require_recipe(argv, "train")
         script_args, training_args, model_args, notes = parse_train_args(argv)
         for note in notes:
             print(f"armor-trl train: warning: {note}", file=sys.stderr)
@@ -324,14 +349,52 @@ def _load_model(path: str):
     looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
     if looks_local and not os.path.exists(os.path.expanduser(path)):
         raise ValueError(f"--model {path!r}: no such file or directory.")
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return _load_adapter(path)
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"--model {path!r} is a folder without config.json: not a saved model.")
+        raise ValueError(f"--model {path!r} is a folder without config.json or adapter_config.json: neither a saved "
+                         "model nor a LoRA adapter.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     except (OSError, ValueError, KeyError) as error:
         reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise ValueError(f"--model {path!r} could not be loaded as a causal LM: {reason}") from error
+    return tokenizer, model
+
+
+def _load_adapter(path: str):
+    """Tokenizer and causal LM of a LoRA adapter folder (what a LoRA run's save_model writes): its base model
+    (adapter_config.json's base_model_name_or_path) with the adapter merged in, through PEFT. The tokenizer is the
+    folder's own when saved there, else the base model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        from peft import PeftConfig, PeftModel
+    except ImportError:
+        raise ValueError(f"--model {path!r} is a LoRA adapter folder: loading it needs peft (pip install peft).") \
+            from None
+    try:
+        base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    except (OSError, ValueError, TypeError) as error:
+        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ValueError(f"--model {path!r}: adapter_config.json cannot be read: {reason}") from None
+    if not base:
+        raise ValueError(f"--model {path!r}: adapter_config.json names no base_model_name_or_path to load the adapter "
+                         "on.")
+    try:
+        own_tokenizer = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
+        tokenizer = AutoTokenizer.from_pretrained(path if own_tokenizer else base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    except (OSError, ValueError, KeyError) as error:
+        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ValueError(f"--model {path!r} is a LoRA adapter of {base!r}, which could not be loaded: {reason}") \
+            from error
+    try:
+        model = PeftModel.from_pretrained(model, path).merge_and_unload()
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ValueError(f"--model {path!r}: the LoRA adapter does not load onto {base!r}: {reason}") from error
     return tokenizer, model
 
 
@@ -362,7 +425,10 @@ def eval_main(argv: list[str]) -> int:
         config = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
         if config is not None:
             check_eval_config(config)
-        (args,) = TrlParser((EvalArguments,), prog="armor-trl eval").parse_args_and_config(argv)
+        try:
+            (args,) = TrlParser((EvalArguments,), prog="armor-trl eval").parse_args_and_config(argv)
+        except SystemExit as stop:  # argparse has printed the usage and the error (a missing required flag, --help)
+            return stop.code if isinstance(stop.code, int) else 2
         if not args.model or not args.dataset:
             raise ValueError("--model and --dataset are required.")
         result_file = os.path.join(args.output_dir, EVAL_RESULTS_FILE) if args.output_dir else None
@@ -466,7 +532,9 @@ def anchors_main(argv: list[str]) -> int:
         "(train on them with --anchor_source column --anchors_dataset DIR). Other flags override the recipe.",
     )
     add_output_dir(parser, "Folder of the anchors (resumed if it holds finished shards); not the recipe's training "
-                   "output_dir.", old=("--output",))
+                   "output_dir. Required.", old=("--output",))
+    parser.add_argument("--config", required=True, help="The recipe (armor-trl train's): its reference "
+                        "(ref_model_name_or_path, else model_name_or_path), training prompts and rewards. Required.")
     parser.add_argument("--num_candidates", type=int, default=8, help="K: reference samples per prompt.")
     parser.add_argument("--max_anchors_per_prompt", type=int, default=4,
                         help="M: verified completions kept per prompt.")
@@ -479,12 +547,14 @@ def anchors_main(argv: list[str]) -> int:
     if args.output_dir is None:
         parser.error("--output_dir is required.")
     output = args.output_dir
+    rest = ["--config", args.config] + rest
     try:
+        require_recipe(rest, "anchors")
         script_args, training_args, model_args, notes = parse_train_args(rest)
         for note in notes:
             print(f"armor-trl anchors: warning: {note}", file=sys.stderr)
-        if not model_args.model_name_or_path or not script_args.dataset_name:
-            raise ValueError("the recipe needs model_name_or_path and dataset_name.")
+        if not model_args.model_name_or_path or not (script_args.dataset_name or script_args.dataset_mixture):
+            raise ValueError("the recipe needs model_name_or_path and dataset_name (or a datasets mixture).")
         reward_funcs = resolve_rewards(script_args.reward_funcs)
         reference = script_args.ref_model_name_or_path or model_args.model_name_or_path
         settings = pregenerate.AnchorSettings(

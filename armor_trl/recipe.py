@@ -98,6 +98,7 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
         metadata={"help": "method armor with anchor_source='column': folder written by `armor-trl anchors`; its "
                   "anchors are added to the training set as anchor_column, matched by prompt."},
     )
+    dataset_mixture: typing.Any = field(default=None, init=False, repr=False)  # TRL's `datasets:` (DatasetMixtureConfig)
     anchor_set_allow_other_reference: bool = field(
         default=False,
         metadata={"help": "Accept an anchors_dataset sampled from another model than this run's reference "
@@ -231,13 +232,14 @@ def recipe_fields(method: str) -> dict:
     single string is taken for a list only in TRL's and transformers' fields, as their parser does
     (``lora_target_modules: all-linear``), never in this package's (``reward_funcs: math_verify`` would be read
     letter by letter)."""
-    from trl import GRPOConfig, ModelConfig
+    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig
 
     from .config import ArmorConfig
 
     ours = {f.name for f in fields(TrainScriptArguments)} - {f.name for f in fields(ScriptArguments)}
     found = {}
-    for cls in (TrainScriptArguments, ArmorConfig if method == "armor" else GRPOConfig, ModelConfig):
+    for cls in (TrainScriptArguments, ArmorConfig if method == "armor" else GRPOConfig, ModelConfig,
+                DatasetMixtureConfig):
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
             if f.init and f.name not in found:
@@ -266,6 +268,37 @@ def check_recipe_values(recipe: dict, method: str, path: str | None = None) -> N
             raise ValueError(f"{where}{key} must be {describe_type(hint)}, got {kind_of(value)} ({shown}).")
         if choices and value not in choices:
             raise ValueError(f"{where}{key} must be one of {', '.join(map(str, choices))}, got {value!r}.")
+        if key == "datasets":
+            check_mixture_entries(value, where)
+
+
+def dataset_config_fields() -> dict:
+    """{field: type} of TRL's DatasetConfig, one entry of a ``datasets:`` mixture (reached through
+    ``trl.DatasetMixtureConfig``, which trl exports, since DatasetConfig itself is not exported at trl's top level)."""
+    from trl import DatasetMixtureConfig
+
+    (entry_type,) = typing.get_args(typing.get_type_hints(DatasetMixtureConfig)["datasets"])
+    return typing.get_type_hints(entry_type)
+
+
+def check_mixture_entries(entries, where: str = "") -> None:
+    """Each entry of a ``datasets:`` mixture: a mapping with ``path`` and TRL's DatasetConfig keys of the right type."""
+    allowed = dataset_config_fields()
+    for number, entry in enumerate(entries):
+        label = f"{where}datasets[{number}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{label} must be a mapping with path (and name, data_dir, data_files, split, columns, "
+                             f"fraction), got {kind_of(entry)} ({entry!r}).")
+        unknown = [key for key in entry if key not in allowed]
+        if unknown:
+            raise ValueError(f"{label}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(allowed)}.")
+        if not isinstance(entry.get("path"), str) or not entry["path"]:
+            raise ValueError(f"{label}: path is required (a hub id, a folder, or a builder such as json/parquet/csv "
+                             "with data_files).")
+        for key, value in entry.items():
+            if not value_matches(value, allowed[key]):
+                raise ValueError(f"{label}: {key} must be {describe_type(allowed[key])}, got {kind_of(value)} "
+                                 f"({value!r}).")
 
 
 def machine_memory() -> tuple[int, str]:
@@ -385,23 +418,36 @@ def _recipe(argv: list[str]) -> dict:
     return {} if path is None else load_recipe(path)
 
 
-def _flatten_recipe(argv: list[str]) -> list[str]:
-    """Point --config at a merged copy when the recipe has a ``base`` (TRL's parser reads one plain YAML file)."""
+def _flatten_recipe(argv: list[str]) -> tuple[list[str], str | None]:
+    """Point --config at a merged copy when the recipe has a ``base`` (TRL's parser reads one plain YAML file).
+    Returns (argv, the temporary file or None); the caller removes the file once parsed."""
     path = _cli_value(argv, "config")
     if path is None:
-        return argv
+        return argv, None
     import tempfile
 
     raw = read_yaml(path)
     if not isinstance(raw, dict) or "base" not in raw:
-        return argv  # a file that is no mapping is refused by load_recipe, naming it
+        return argv, None  # a file that is no mapping is refused by load_recipe, naming it
+    recipe = load_recipe(path)
     merged = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="armor-recipe-", delete=False)
-    with merged:
-        yaml.safe_dump(load_recipe(path), merged)
+    try:
+        with merged:
+            yaml.safe_dump(recipe, merged)
+    except BaseException:
+        os.remove(merged.name)
+        raise
     index = argv.index("--config") if "--config" in argv else None
     if index is not None:
-        return argv[: index + 1] + [merged.name] + argv[index + 2 :]
-    return [f"--config={merged.name}" if a.startswith("--config=") else a for a in argv]
+        return argv[: index + 1] + [merged.name] + argv[index + 2 :], merged.name
+    return [f"--config={merged.name}" if a.startswith("--config=") else a for a in argv], merged.name
+
+
+def recipe_value(argv: list[str], name: str):
+    """A field's value as the command line (``--name``) or else the recipe (``--config``, ``base:`` followed) gives it;
+    None when neither does. For checks that must come before parsing (e.g. the model before the hardware)."""
+    value = _cli_value(argv, name)
+    return value if value is not None else _recipe(argv).get(name)
 
 
 def parse_train_args(argv: list[str]):
@@ -410,12 +456,20 @@ def parse_train_args(argv: list[str]):
     Returns ``(script_args, training_args, model_args, notes)``; ``notes`` are warnings to show (ignored keys).
     Raises ValueError for unknown keys or flags and for invalid values (including ArmorConfig's checks).
     """
-    from trl import GRPOConfig, ModelConfig, TrlParser
+    config = _cli_value(list(argv), "config")
+    argv, merged = _flatten_recipe(list(argv))
+    try:
+        return _parse_train_args(argv, config)
+    finally:
+        if merged is not None:  # nothing left behind in the temp folder
+            os.remove(merged)
+
+
+def _parse_train_args(argv: list[str], config: str | None):
+    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser
 
     from .config import ArmorConfig
 
-    config = _cli_value(list(argv), "config")
-    argv = _flatten_recipe(list(argv))
     recipe = _recipe(argv)
     method = _cli_value(argv, "method") or recipe.get("method") or "armor"
     if method not in METHODS:
@@ -437,11 +491,19 @@ def parse_train_args(argv: list[str]):
             argv += ["--use_cpu", "true"]
             notes.append("dry run without a GPU: the recipe is validated as if use_cpu=True (bf16, vLLM and memory "
                          "are checked only when training starts on the GPU machine)")
-    parser = TrlParser((TrainScriptArguments, ArmorConfig if method == "armor" else GRPOConfig, ModelConfig),
-                       prog="armor-trl train")
-    script_args, training_args, model_args, recipe_rest, cli_rest = parser.parse_args_and_config(
+    parser = TrlParser((TrainScriptArguments, ArmorConfig if method == "armor" else GRPOConfig, ModelConfig,
+                        DatasetMixtureConfig), prog="armor-trl train")
+    script_args, training_args, model_args, mixture, recipe_rest, cli_rest = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
+    if mixture.datasets:  # `datasets:` as in `trl grpo` recipes: the training data instead of dataset_name
+        if mixture.streaming:
+            raise ValueError("streaming: true is not supported with a datasets mixture (ARMOR needs the dataset's "
+                             "length and its prompts up front); drop it.")
+        if script_args.dataset_name:
+            notes.append(f"both datasets and dataset_name given: the datasets mixture is used, dataset_name "
+                         f"{script_args.dataset_name!r} is ignored (as in `trl grpo`)")
+        script_args.dataset_mixture = mixture
     if cli_rest:
         raise ValueError(f"Unknown arguments: {' '.join(cli_rest)}")
     ignored, unknown = [], []
@@ -545,7 +607,71 @@ def held_out_source(script_args: TrainScriptArguments) -> str | None:
     return script_args.eval_dataset_name
 
 
+def _rlvr_rows(raw, label: str, schema: str | None, chat: bool, system_prompt: str | None, instruction: str | None):
+    """A loaded dataset as ``prompt``/``answer``/``answer_format`` rows, by the schema rules that
+    :func:`armor_trl.datasets.load_rlvr_dataset` applies to a ``dataset_name`` (which takes a source, not rows)."""
+    from datasets import Features, Value
+
+    from .datasets import ANSWER_FORMATS, SCHEMAS, detect_schema, format_prompt, has_dapo_instruction
+
+    if len(raw) == 0:
+        raise ValueError(f"{label}: no rows.")
+    try:
+        schema = schema or detect_schema(raw.column_names, raw.select(range(min(5, len(raw)))))
+    except ValueError as error:
+        raise ValueError(f"{label}: {error}") from None
+    if schema not in SCHEMAS:
+        raise ValueError(f"Unknown dataset_schema {schema!r}: expected one of {sorted(SCHEMAS)}.")
+    adapter = SCHEMAS[schema]
+
+    def convert(row):
+        mapped = adapter(row)
+        dapo = instruction == "dapo" or has_dapo_instruction(mapped["problem"])
+        return {"prompt": format_prompt(mapped["problem"], chat, system_prompt, instruction), "answer": mapped["answer"],
+                "answer_format": "dapo" if dapo else ANSWER_FORMATS[schema]}
+
+    keep = [c for c in ("solution",) if c in raw.column_names]
+    text = Value("string")
+    features = Features({"prompt": [{"role": text, "content": text}] if chat else text, "answer": text,
+                         "answer_format": text, **{c: raw.features[c] for c in keep}})
+    data = raw.map(convert, remove_columns=[c for c in raw.column_names if c not in keep], features=features)
+    if all(answer is None for answer in data["answer"]):
+        raise ValueError(f"No row of the {label} has a ground-truth answer (every one is missing, NaN, 'nan' or "
+                         "'None'): the rewards cannot judge any completion. Check the answer column.")
+    return data
+
+
+def mixture_datasets(script_args: TrainScriptArguments):
+    """(train, held-out or None) of a ``datasets:`` mixture, loaded by TRL's ``get_dataset`` (fractions, columns,
+    ``test_split_size`` as ``trl grpo`` reads them), then written as prompt/answer like ``dataset_name``'s rows."""
+    from trl import get_dataset
+
+    try:
+        loaded = get_dataset(script_args.dataset_mixture)
+    except (FileNotFoundError, OSError) as error:
+        raise ValueError(f"datasets: {' '.join(str(error).split())}") from None
+    label = "datasets mixture (" + ", ".join(d.path if not d.data_files else f"{d.path} {d.data_files}"
+                                             for d in script_args.dataset_mixture.datasets) + ")"
+
+    def convert(split, limit):
+        if split not in loaded:
+            return None
+        data = loaded[split]
+        data = data.select(range(min(limit, len(data)))) if limit else data
+        return _rlvr_rows(data, label, schema=script_args.dataset_schema, chat=script_args.chat,
+                         system_prompt=script_args.system_prompt, instruction=script_args.instruction)
+
+    return convert("train", script_args.max_train_samples), convert("test", script_args.max_eval_samples)
+
+
 def train_datasets(script_args: TrainScriptArguments):
+    if getattr(script_args, "dataset_mixture", None) is not None:
+        train, held_out = mixture_datasets(script_args)
+        if script_args.eval_dataset_name:
+            held_out = load_datasets(script_args, None, script_args.eval_dataset_name, script_args.dataset_train_split,
+                                     script_args.dataset_test_split, script_args.dataset_config,
+                                     max_eval=script_args.max_eval_samples)[1]
+        return train, held_out
     return load_datasets(script_args, script_args.dataset_name, held_out_source(script_args),
                          script_args.dataset_train_split, script_args.dataset_test_split, script_args.dataset_config,
                          script_args.max_train_samples, script_args.max_eval_samples)

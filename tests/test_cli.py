@@ -447,3 +447,85 @@ def test_eval_config_errors_are_one_line(tmp_path, capsys):
         assert main(["eval", "--config", str(config), "--model", "m", "--dataset", "arithmetic"]) == 2
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith(f"armor-trl eval: error: {message}"), lines
+
+
+# --- TRL's habits (issue 18, item 4) -------------------------------------------------------------------------------
+def test_a_trl_grpo_recipe_with_a_datasets_mixture_trains(recipe, cwd, capsys):
+    """`datasets:` as `trl grpo` recipes write it (TRL's DatasetMixtureConfig), on local files, instead of dataset_name."""
+    config = yaml.safe_load(recipe.read_text())
+    del config["dataset_name"]
+    extra = [{"prompt": f"{i}*2=", "answer": str(2 * i)} for i in range(20, 30)]
+    (cwd / "more.jsonl").write_text("".join(json.dumps(r) + "\n" for r in extra))
+    config["datasets"] = [{"path": "json", "data_files": str(cwd / "train.jsonl"), "split": "train"},
+                          {"path": "json", "data_files": str(cwd / "more.jsonl"), "columns": ["prompt", "answer"]}]
+    path = cwd / "mixture.yaml"
+    path.write_text(yaml.safe_dump(config))
+    from armor_trl.recipe import train_datasets
+
+    script, _, _, notes = parse_train_args(["--config", str(path)])
+    train, _ = train_datasets(script)
+    assert len(train) == 16 + 10 and train["prompt"][-1] == "29*2=" and train["answer"][0] == "1" and notes == []
+    assert main(["train", "--config", str(path), "--dry_run"]) == 0
+    assert "train dataset: datasets mixture of json, json, 26 rows" in capsys.readouterr().out
+    assert main(["train", "--config", str(path), "--max_steps", "1"]) == 0
+    assert (cwd / "out" / "model.safetensors").is_file()
+    config["datasets"][1]["colums"] = ["prompt"]  # a misspelt DatasetConfig key: named, with what is allowed
+    path.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(path), "--dry_run"]) == 2
+    assert "datasets[1]: unknown key(s) colums; allowed: path, name" in capsys.readouterr().err
+
+
+def test_eval_loads_a_lora_adapter_folder(tiny_model_path, tmp_path, capsys):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from armor_trl.cli import _load_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    lora = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    adapter = tmp_path / "lora-run"
+    lora.save_pretrained(adapter)  # adapter_config.json + adapter_model.safetensors, as a LoRA run's save_model
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(adapter)
+    assert not (adapter / "config.json").exists()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = lora(input_ids=ids).logits
+        _, loaded = _load_model(str(adapter))
+        plain = AutoModelForCausalLM.from_pretrained(tiny_model_path)(input_ids=ids).logits
+        assert torch.allclose(loaded(input_ids=ids).logits, expected, atol=1e-4)  # the adapter is applied
+    assert not torch.allclose(plain, expected, atol=1e-4)
+    assert main(["eval", "--model", str(adapter), "--dataset", "arithmetic", "--arithmetic_eval_size", "2", "--k", "1",
+                 "--max_new_tokens", "3"]) == 0
+    assert "(2 problems, n=1)" in capsys.readouterr().out
+
+
+def test_config_and_model_errors_come_before_hardware(recipe, tmp_path, capsys):
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert "give a recipe: armor-trl train --config recipe.yaml" in err and "bf16" not in err
+    assert main(["train", "--output_dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "model_name_or_path is required" in err and "bf16" not in err
+    assert main(["train", "--model_name_or_path", "m", "--bf16", "true"]) == 2
+    assert "dataset_name (or a datasets mixture) is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["anchors", "--output_dir", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert "the following arguments are required: --config" in err and "bf16" not in err
+
+
+def test_required_flags_are_marked_required(tiny_model_path, tmp_path, capsys):
+    assert main(["eval", "--help"]) == 0
+    usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    assert " --model MODEL --dataset DATASET" in usage and "[--model " not in usage and "[--dataset " not in usage
+    assert main(["eval", "--model", "x"]) == 2
+    assert "the following arguments are required: --dataset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["anchors", "--help"])
+    assert "--config CONFIG" in capsys.readouterr().out.split("\n\n")[0].replace("[--config", "")
+    config = tmp_path / "eval.yaml"  # a --config file may give them instead
+    config.write_text(yaml.safe_dump({"model": tiny_model_path, "dataset": "arithmetic", "arithmetic_eval_size": 2,
+                                      "k": 1, "max_new_tokens": 2}))
+    assert main(["eval", "--config", str(config)]) == 0

@@ -9,6 +9,7 @@ written for.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -325,3 +326,20 @@ def test_an_absurd_anchor_num_samples_is_refused_with_a_memory_estimate(tmp_path
     path.write_text(TINY + "anchor_num_samples: 1000000000\n")
     assert main(["train", "--config", str(path), "--dry_run", "--model_name_or_path", tiny_model_path,
                  "--method", "grpo"]) == 0
+
+
+def test_a_recipe_with_base_leaves_no_temporary_file(tmp_path, tiny_model_path, monkeypatch):
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # the system temp folder, for this test
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({"model_name_or_path": tiny_model_path, "dataset_name": "arithmetic",
+                                                     "use_cpu": True, "bf16": False, "seed": 3}))
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nseed: 4\n")
+    _, config, _, _ = parse_train_args(["--config", str(tmp_path / "b.yaml")])
+    assert config.seed == 4 and os.listdir(scratch) == []
+    (tmp_path / "c.yaml").write_text("base: a.yaml\nlearning_rte: 0.1\n")  # refused after the merged copy is written
+    with pytest.raises(ValueError, match="learning_rte"):
+        parse_train_args(["--config", str(tmp_path / "c.yaml")])
+    assert os.listdir(scratch) == []
