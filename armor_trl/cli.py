@@ -144,6 +144,11 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
     weights = training_args.reward_weights
     if weights is not None and len(weights) != len(rewards):
         raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(rewards)} reward functions.")
+    mixture = script_args.dataset_mixture
+    if mixture is not None and script_args.val_every_steps > 0 and mixture.test_split_size is None \
+            and not script_args.eval_dataset_name and not script_args.val_datasets:
+        raise ValueError("val_every_steps > 0 with a datasets mixture needs a held-out set: test_split_size (a share of "
+                         "the mixture), eval_dataset_name or val_datasets.")
     train, held_out, dataset_notes = _dry_run_datasets(script_args)
     for label, dataset in (("training", train), ("held-out", held_out)):
         if dataset is not None and "prompt" not in dataset.column_names:
@@ -307,7 +312,7 @@ def require_recipe(argv: list[str], command: str) -> None:
     if not argv:
         raise ValueError(f"give a recipe: armor-trl {command} --config recipe.yaml [--field value ...] "
                          f"(armor-trl {command} --help lists the fields).")
-    if not recipe_value(argv, "model_name_or_path"):
+    if not recipe_value(argv, "model_name_or_path") and not recipe_value(argv, "resume_best_as_reference"):
         raise ValueError("model_name_or_path is required: set it in the recipe (--config) or pass --model_name_or_path.")
     if not recipe_value(argv, "dataset_name") and not recipe_value(argv, "datasets"):
         raise ValueError("dataset_name (or a datasets mixture) is required: set it in the recipe (--config) or pass "

@@ -469,6 +469,12 @@ def test_a_trl_grpo_recipe_with_a_datasets_mixture_trains(recipe, cwd, capsys):
     assert "train dataset: datasets mixture of json, json, 26 rows" in capsys.readouterr().out
     assert main(["train", "--config", str(path), "--max_steps", "1"]) == 0
     assert (cwd / "out" / "model.safetensors").is_file()
+    del config["eval_dataset_name"]  # validation then needs a held-out share of the mixture
+    path.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(path), "--dry_run"]) == 2
+    assert "with a datasets mixture needs a held-out set: test_split_size" in capsys.readouterr().err
+    assert main(["train", "--config", str(path), "--dry_run", "--test_split_size", "0.25"]) == 0
+    assert "train dataset: datasets mixture of json, json, 19 rows" in capsys.readouterr().out  # 26 - 7 held out
     config["datasets"][1]["colums"] = ["prompt"]  # a misspelt DatasetConfig key: named, with what is allowed
     path.write_text(yaml.safe_dump(config))
     assert main(["train", "--config", str(path), "--dry_run"]) == 2
