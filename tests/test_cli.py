@@ -246,8 +246,8 @@ def test_collapse_guard_and_named_validation_sets_from_the_command_line(recipe, 
     records = [json.loads(line) for line in (cwd / "out" / "val_metrics.jsonl").read_text().splitlines()]
     assert {"val/avg@2", "val/first/avg@2", "val/again/avg@2"} <= set(records[-1])
     # the guard is on: ARMOR dormant, and the first validation (a new best) forced a checkpoint despite save "no"
-    state = json.loads((cwd / "out" / "checkpoint-1" / "armor_state.json").read_text())
-    assert state["armor_started_at"] is None and state["collapse_guard"]["steps"] == [1]
+    parts = json.loads((cwd / "out" / "checkpoint-1" / "armor_state.json").read_text())["parts"]
+    assert parts["schedule"]["armor_started_at"] is None and parts["collapse_guard"]["steps"] == [1]
     assert main(["train", "--config", str(recipe), "--dry_run", "--val_datasets", "a/b=x"]) == 2
 
 
