@@ -38,6 +38,14 @@ def group_quantile(grouped: torch.Tensor, quantile: float, interpolation: str = 
     return torch.where(count > 0, baseline, torch.full_like(baseline, float("nan")))
 
 
+def total_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """TRL's total reward per row: weighted sum with None as 0; NaN where no function could score the row."""
+    total = (rewards_per_func * weights.to(rewards_per_func.device)).nansum(dim=1)
+    total[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+    return total
+
+
+
 def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sample standard deviation (Bessel-corrected) ignoring NaNs; NaN where fewer than two values."""
     if dim is None:

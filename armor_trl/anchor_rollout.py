@@ -8,9 +8,12 @@ the completions in TRL's row order and an :class:`~armor_trl.anchors.AnchorRound
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import trl_seam as seam
+from .advantages import total_rewards
 from .anchors import AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
 from .column_anchors import ColumnAnchors, verify_round
 from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
@@ -94,7 +97,7 @@ class AnchorRollout:
             elif known_failures[g] is not None and g not in retried:
                 anchors[g][0] = known_failures[g]  # fills the slot; the group has no anchor this round
         found = torch.tensor([[cached[g] is not None] + [False] * (per_group - 1) for g in range(groups)])
-        verified_frac = torch.empty(0)
+        verified_frac, best_candidate = torch.empty(0), math.nan
         if sampled:
             candidate_ids, rewards = self._score_candidates(
                 [group_prompt_ids[g] for g in sampled], [group_inputs[g] for g in sampled], k
@@ -104,6 +107,7 @@ class AnchorRollout:
                                        args.anchor_selection, self.funcs)
             verified = verified_mask(rewards, weights, args.anchor_reward_threshold, self.funcs)
             verified_frac = verified.float()[: len(used) * k]
+            best_candidate = (torch.nan_to_num(rewards) * weights).sum(dim=1).max().item()
             for position, g in enumerate(used):
                 for slot in range(per_group):
                     index = int(chosen[position, slot])
@@ -123,6 +127,7 @@ class AnchorRollout:
             candidates_verified=verified_frac.to(device),
             cache_hits=torch.tensor([sum(hit is not None for hit in cached), groups], device=device, dtype=torch.float),
             rewards_per_func=scores.flatten(0, 1)[: groups * self.slots_per_group].to(device),
+            best_candidate_reward=best_candidate,
         )
         return [ids for group in anchors for ids in group], anchor_round
 
@@ -199,13 +204,45 @@ class AnchorRollout:
             rewards[rank * rows + slots] = anchor_scores[rank * len(slots) : (rank + 1) * len(slots)].to(scored)
         return rewards
 
-    def verify_column(self, rewards: torch.Tensor, rows: int, anchors: AnchorRound) -> tuple[int, int]:
-        """A column anchor below anchor_reward_threshold counts as missing (scored by TRL as a group member);
-        returns how many this process's column offered and rejected."""
-        rank = self.trainer.accelerator.process_index
-        local = rewards[rank * rows : (rank + 1) * rows][self.slot_rows(rows, rewards.device)]
-        weights = self.trainer.reward_weights.to(rewards.device)
-        return verify_round(anchors, local, weights, self.args.anchor_reward_threshold, self.funcs)
+    def settle_rewards(self, rewards: torch.Tensor, rows: int, anchors: AnchorRound | None) -> None:
+        """After TRL's scoring (``rewards``: all processes' rows): verify column anchors, flag the anchor rows in the
+        completions table, and take empty anchor slots out of their groups (NaN, which TRL's statistics skip)."""
+        trainer = self.trainer
+        if anchors is not None and anchors.column:
+            # a column anchor below anchor_reward_threshold counts as missing (scored by TRL as a group member)
+            rank = trainer.accelerator.process_index
+            local = rewards[rank * rows : (rank + 1) * rows][self.slot_rows(rows, rewards.device)]
+            counts = verify_round(anchors, local, trainer.reward_weights.to(rewards.device),
+                                  self.args.anchor_reward_threshold, self.funcs)
+            offered, rejected = trainer.accelerator.reduce(torch.tensor(counts, device=rewards.device),
+                                                           reduction="sum").tolist()
+            seam.log_metric(trainer, "armor/column_anchor_rejected_frac", rejected / offered if offered else math.nan)
+        if trainer.log_completions:
+            seam.add_completion_column(trainer, "anchor", self.anchor_mask(rows, anchors, "cpu").tolist())
+        if anchors is None:
+            return
+        rewards[trainer.accelerator.gather(self.empty_slots(rows, anchors, rewards.device).int()).bool()] = math.nan
+        is_policy = torch.ones(rows, dtype=torch.bool, device=rewards.device)
+        is_policy[self.slot_rows(rows, rewards.device)] = False
+        totals = total_rewards(rewards, trainer.reward_weights)
+        seam.log_metric(trainer, "armor/policy_reward_mean",
+                        torch.nanmean(totals[is_policy.repeat(len(rewards) // rows)]).item())
+
+    def mask_groups(self, output: dict, anchors: AnchorRound) -> torch.Tensor:
+        """Mask empty anchor slots (and, with ``anchor_filter="drop"``, groups without an anchor) out of the loss;
+        return the (rows,) anchor flag."""
+        completion_mask, rows = output["completion_mask"], output["completion_ids"].size(0)
+        device = completion_mask.device
+        keep = ~self.empty_slots(rows, anchors, device)
+        if self.args.anchor_filter == "drop":
+            keep &= anchors.has_anchor.to(device).repeat_interleave(self.trainer.num_generations)
+        output["advantages"] = output["advantages"] * keep
+        if "importance_sampling_ratio" in output:  # vLLM correction: anchors were sampled by π_ref, not the engine
+            output["importance_sampling_ratio"][self.slot_rows(rows, device)] = 1.0
+        output["completion_mask"] = completion_mask * keep.unsqueeze(1).to(completion_mask.dtype)
+        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+        output["num_items_in_batch"] = self.trainer.accelerator.gather(loss_mask.sum()).sum()
+        return self.anchor_mask(rows, anchors, device)
 
 
 def reward_func_mask(names, reward_func_names: list[str]) -> torch.Tensor | None:

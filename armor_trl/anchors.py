@@ -22,7 +22,8 @@ class AnchorRound:
     which is no member of its group); ``has_anchor`` (groups,) whether the group found one; ``reward`` (anchor slots,)
     the anchor's weighted reward, NaN where none; ``rewards_per_func`` (anchor slots, reward functions) the scores of
     the anchors that were scored when they were picked (None: TRL scores them with the group, column anchors);
-    ``candidates_verified`` (candidates,) the verdict on each fresh candidate; ``cache_hits`` (hits, groups).
+    ``candidates_verified`` (candidates,) the verdict on each fresh candidate; ``cache_hits`` (hits, groups);
+    ``best_candidate_reward`` the highest weighted reward among the fresh candidates (NaN: none sampled).
     """
 
     found: torch.Tensor
@@ -32,6 +33,7 @@ class AnchorRound:
     cache_hits: torch.Tensor
     rewards_per_func: torch.Tensor | None = None
     column: bool = False
+    best_candidate_reward: float = float("nan")  # the highest weighted reward of this round's fresh candidates
 
 
 def anchor_rows(num_rows: int, num_generations: int, anchors_per_group: int = 1) -> list[int]:

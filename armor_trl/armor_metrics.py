@@ -26,7 +26,7 @@ class ArmorMetrics:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self._warned_no_anchor = False
+        self._found_any, self._rounds_without_anchor = False, 0
 
     def _sums(self, values: list[torch.Tensor]) -> list[float]:
         return self.trainer.accelerator.reduce(torch.stack(values).float(), reduction="sum").tolist()
@@ -38,14 +38,7 @@ class ArmorMetrics:
         trainer = self.trainer
         has_anchor = trainer.accelerator.gather(anchors.has_anchor.float())
         self.log("armor/anchor_found_frac", has_anchor.mean().item())
-        if has_anchor.sum() == 0 and not self._warned_no_anchor:
-            self._warned_no_anchor = True
-            effect = "nothing was trained" if anchor_filter == "drop" else "groups trained without anchors"
-            logger.warning(
-                f"No reference candidate reached anchor_reward_threshold={threshold} in this round ({effect}; "
-                f"anchor_filter={anchor_filter!r}). Check the reward functions and the threshold; "
-                "armor/anchor_found_frac tracks this (warned once)."
-            )
+        self._check_anchors_found(has_anchor.sum().item() > 0, anchors.best_candidate_reward, anchor_filter, threshold)
         self.log("armor/groups_dropped_frac", 1.0 - has_anchor.mean().item() if anchor_filter == "drop" else 0.0)
         self.log("armor/anchor_reward_mean", torch.nanmean(trainer.accelerator.gather(anchors.reward)).item())
         verified = anchors.candidates_verified
@@ -56,6 +49,31 @@ class ArmorMetrics:
             hits, groups = trainer.accelerator.reduce(anchors.cache_hits, reduction="sum").tolist()
             self.log("armor/anchor_cache_hit_frac", hits / groups)
             self.log("armor/anchor_cache_size", len(cache))
+
+    def _check_anchors_found(self, found: bool, best_reward: float, anchor_filter: str, threshold: float) -> None:
+        """Fail fast when the first rounds of a run find no anchor anywhere (``anchor_fail_after_rounds``)."""
+        trainer = self.trainer
+        rounds = trainer.args.anchor_fail_after_rounds
+        if found or self._found_any or not rounds:
+            self._found_any = self._found_any or found
+            return
+        best = trainer.accelerator.gather(torch.tensor([best_reward], device=trainer.accelerator.device))
+        best = torch.nan_to_num(best, nan=-math.inf).max().item()
+        self._rounds_without_anchor += 1
+        if self._rounds_without_anchor % rounds:
+            return
+        verifier = trainer.args.anchor_reward_funcs or trainer.reward_func_names
+        message = (
+            f"No anchor in the first {self._rounds_without_anchor} anchor rounds: no reference candidate reached "
+            f"anchor_reward_threshold={threshold} (best weighted reward of any candidate: "
+            f"{best if math.isfinite(best) else 'none scored'}; reward functions judging correctness: {verifier}). "
+            "Fixes: a 0/1 verifier reward (e.g. armor_trl.rewards.math_verify_reward), named in anchor_reward_funcs "
+            "when other rewards shape; an anchor_reward_threshold a correct completion reaches; or "
+            "anchor_filter='keep' to train groups without anchors. anchor_fail_after_rounds=0 turns this check off."
+        )
+        if anchor_filter == "drop":
+            raise ValueError(message + " With anchor_filter='drop' nothing trains, so the run stops.")
+        logger.warning(message + " Groups train without anchors (anchor_filter='keep').")
 
     def rows_by_type(self, output: dict, is_anchor: torch.Tensor) -> None:
         """Completion length and advantage means of the on-policy rows and of the anchor rows in the loss."""

@@ -53,6 +53,16 @@ class ArmorConfig(GRPOConfig):
             "choices": list(ANCHOR_FILTERS),
         },
     )
+    anchor_fail_after_rounds: int = field(
+        default=3,
+        metadata={
+            "help": "When the first this-many anchor rounds of a run find no anchor in any group (no reference "
+            "candidate reaches `anchor_reward_threshold`, e.g. with a continuous reward), the run stops with an error "
+            "naming the reward functions, the threshold and the fixes (with `anchor_filter='drop'` nothing would "
+            "train); with `anchor_filter='keep'` it warns instead, every this-many rounds until an anchor is found. "
+            "0 turns the check off."
+        },
+    )
     ref_reset_steps: int | None = field(
         default=None,
         metadata={
@@ -342,6 +352,21 @@ class ArmorConfig(GRPOConfig):
         super().__post_init__()
         self._check_armor_fields()
 
+    @classmethod
+    def from_grpo_config(cls, config: GRPOConfig) -> "ArmorConfig":
+        """An ArmorConfig holding every field ``config`` sets away from GRPOConfig's defaults; the fields it leaves at
+        GRPOConfig's defaults take ARMOR's (e.g. ``loss_type``, ``beta``, ``epsilon_high``)."""
+        import dataclasses
+
+        device = {name: getattr(config, name) for name in ("use_cpu", "bf16", "fp16")}
+        baseline = GRPOConfig(output_dir=config.output_dir, **device)
+        changed = {
+            field.name: getattr(config, field.name) for field in dataclasses.fields(GRPOConfig)
+            if field.init and getattr(config, field.name) != getattr(baseline, field.name)
+        }
+        changed.pop("generation_batch_size", None)  # derived from steps_per_generation (GRPOConfig sets one from the other)
+        return cls(output_dir=config.output_dir, **{**device, **changed})
+
     def _check_precision(self) -> None:
         """Say what to do when bf16 (TRL's default) is asked for on a machine without bf16 support."""
         from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
@@ -399,6 +424,8 @@ class ArmorConfig(GRPOConfig):
                 f"anchor_num_samples ({self.anchor_num_samples}) must be at least anchors_per_group "
                 f"({self.anchors_per_group}): each anchor is one of the reference candidates."
             )
+        if self.anchor_fail_after_rounds < 0:
+            raise ValueError(f"anchor_fail_after_rounds must be >= 0 (0: no check), got {self.anchor_fail_after_rounds}.")
         if self.anchor_loss_weight < 0:
             raise ValueError(f"anchor_loss_weight must be >= 0, got {self.anchor_loss_weight}.")
         anchor_only = {

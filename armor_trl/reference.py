@@ -235,6 +235,19 @@ class ReferencePolicy:
         with _evaluating(policy), seam.adapter_active(policy, REF_ADAPTER):
             yield
 
+    @contextlib.contextmanager
+    def left_out_of_saves(self, policy: nn.Module):
+        """Within the block, saving the PEFT policy writes the trained adapter only: PEFT saves every adapter it lists,
+        and the frozen "ref" adapter belongs in checkpoints' ARMOR state, not in a model that is shared or pushed."""
+        if self.kind != "lora":
+            yield
+            return
+        config = policy.peft_config.pop(REF_ADAPTER)
+        try:
+            yield
+        finally:
+            policy.peft_config[REF_ADAPTER] = config
+
     def parameters_of(self, policy: nn.Module) -> list[nn.Parameter]:
         """The reference's own parameters (for tests and checkpoints)."""
         return [target for target, _ in self._pairs(policy)]

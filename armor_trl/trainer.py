@@ -17,16 +17,18 @@ How one generation round differs from GRPO (train mode, ARMOR on):
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
 from accelerate.utils import is_peft_model
 from transformers.utils import logging
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from . import checks
 from . import trl_seam as seam
 from .anchor_rollout import AnchorRollout, reward_func_mask
+from .advantages import total_rewards
 from .anchors import AnchorRound
 from .armor_metrics import ArmorMetrics
 from .checkpoint import ArmorState, check_fingerprint, latest_complete_checkpoint
@@ -64,11 +66,12 @@ class Round:
     rewards: torch.Tensor | None = None  # (all processes' rows, reward functions), set by _calculate_rewards
 
 
-def total_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """TRL's total reward per row: weighted sum with None as 0; NaN where no function could score the row."""
-    total = (rewards_per_func * weights.to(rewards_per_func.device)).nansum(dim=1)
-    total[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
-    return total
+def model_card_settings(args: ArmorConfig) -> str:
+    """The ARMOR settings of a run, as a model-card section."""
+    names = ("use_anchors", "use_mixed_ratio", "anchor_num_samples", "anchor_reward_threshold", "anchor_filter",
+             "ref_reset_steps", "ref_reset_every_step_until", "num_generations", "beta", "loss_type")
+    rows = [("armor_alpha", args.resolved_alpha)] + [(name, getattr(args, name)) for name in names]
+    return "\n## ARMOR settings\n\n| field | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
 class ArmorGRPOTrainer(GRPOTrainer):
@@ -88,11 +91,14 @@ class ArmorGRPOTrainer(GRPOTrainer):
         "citation": (
             "@misc{armor2026,\n"
             "    title         = {{ARMOR: Anchor Rollout and Mixed Optimization for RL}},\n"
+            "    author        = {Kexin Huang and Junkang Wu and Jinda Lu and Shuo Yang and Chiyu Ma and Jiancan Wu and "
+            "Xiang Wang and Xiangnan He and Guoyin Wang and Jingren Zhou},\n"
             "    year          = 2026,\n"
             "    eprint        = {2607.10481},\n"
             "    archivePrefix = {arXiv},\n"
             "    url           = {https://arxiv.org/abs/2607.10481},\n"
-            "}"
+            "}\n\n"
+            + seam.grpo_citation()  # GRPO, which ARMOR trains with (TRL cites it in GRPOTrainer's cards)
         ),
     }
 
@@ -103,11 +109,12 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else seam.model_id(model)
             args = ArmorConfig(f"{name.split('/')[-1]}-ARMOR")
+        if isinstance(args, GRPOConfig) and not isinstance(args, ArmorConfig):
+            args = ArmorConfig.from_grpo_config(args)
+            logger.warning("args is a GRPOConfig: converted to an ArmorConfig with the fields you set and ARMOR's defaults "
+                           "for the rest (e.g. beta=0, loss_type='dapo'). Pass ArmorConfig(...) to set ARMOR's fields.")
         if not isinstance(args, ArmorConfig):
-            raise ValueError(
-                f"args must be an armor_trl.ArmorConfig, got {type(args).__name__}. ArmorConfig accepts every "
-                "GRPOConfig field: replace GRPOConfig(...) with ArmorConfig(...)."
-            )
+            raise ValueError(f"args must be an armor_trl.ArmorConfig (or a trl.GRPOConfig), got {type(args).__name__}.")
         uses_peft = peft_config is not None or (not isinstance(model, str) and is_peft_model(model))
         checks.check_arguments(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft,
                                train_dataset)
@@ -232,10 +239,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return ids, logprobs
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        anchors, rows = self._round.anchors, len(prompts)
-        if anchors is not None and anchors.rewards_per_func is not None and self.anchor_rollout.slots_per_group:
-            rewards = self.anchor_rollout.score_round(super()._calculate_rewards, inputs, prompts, completions,
-                                                      completion_ids_list, anchors)
+        anchors, rollout = self._round.anchors, self.anchor_rollout
+        if anchors is not None and anchors.rewards_per_func is not None and rollout.slots_per_group:
+            rewards = rollout.score_round(super()._calculate_rewards, inputs, prompts, completions,
+                                          completion_ids_list, anchors)
         else:
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._round.rewards = rewards
@@ -243,62 +250,40 @@ class ArmorGRPOTrainer(GRPOTrainer):
             seen, self._verifier_timeouts_seen = self._verifier_timeouts_seen, verifier_timeouts()
             new = torch.tensor(float(self._verifier_timeouts_seen - seen), device=rewards.device)
             seam.log_metric(self, "rewards/verifier_timeouts", self.accelerator.reduce(new, reduction="sum").item())
-        if anchors is not None and anchors.column:
-            offered, rejected = self.accelerator.reduce(
-                torch.tensor(self.anchor_rollout.verify_column(rewards, rows, anchors), device=rewards.device),
-                reduction="sum").tolist()
-            seam.log_metric(self, "armor/column_anchor_rejected_frac", rejected / offered if offered else float("nan"))
-        if self.armor_active and self.args.use_anchors and self.log_completions:
-            seam.add_completion_column(self, "anchor", self.anchor_rollout.anchor_mask(rows, anchors, "cpu").tolist())
-        if anchors is None:
-            return rewards
-        # An empty anchor slot is no member of its group: NaN keeps it out of TRL's group mean/std (nan-aware).
-        rewards[self.accelerator.gather(self.anchor_rollout.empty_slots(rows, anchors, rewards.device).int()).bool()] = (
-            float("nan"))
-        is_policy = torch.ones(rows, dtype=torch.bool, device=rewards.device)
-        is_policy[self.anchor_rollout.slot_rows(rows, rewards.device)] = False
-        policy_rewards = total_rewards(rewards, self.reward_weights)[is_policy.repeat(len(rewards) // rows)]
-        seam.log_metric(self, "armor/policy_reward_mean", torch.nanmean(policy_rewards).item())
+        if rollout is not None and self.armor_active:
+            rollout.settle_rewards(rewards, len(prompts), anchors)
         return rewards
 
     def _add_armor_fields(self, output: dict, anchors: AnchorRound | None) -> dict:
         """π_ref's log-probs of every row, the anchor flag, and the masks of ``anchor_filter``."""
-        args, rows, group_size = self.args, output["completion_ids"].size(0), self.num_generations
-        device, completion_mask = output["completion_ids"].device, output["completion_mask"]
+        args = self.args
         if args.use_mixed_ratio or args.off_policy_ratio:
-            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-            attention_mask = torch.cat([output["prompt_mask"], completion_mask], dim=1)
-            width, batch_size = output["completion_ids"].size(1), args.per_device_train_batch_size
             model = self.reference.model if self.reference.kind == "full" else self.model
-            with torch.no_grad(), self.reference.active(self.unwrapped_policy()):
-                output["armor_ref_logps"] = seam.per_token_logps(self, model, input_ids, attention_mask, width,
-                                                                 batch_size)
-        is_anchor = torch.zeros(rows, dtype=torch.bool, device=device)
+            with self.reference.active(self.unwrapped_policy()):
+                output["armor_ref_logps"] = self._completion_logps(model, output)
+        if args.off_policy_ratio and output.get("old_per_token_logps") is None:  # (before the masks below)
+            output["old_per_token_logps"] = self._completion_logps(self.model, output)
+        is_anchor = torch.zeros(output["completion_ids"].size(0), dtype=torch.bool, device=output["completion_ids"].device)
         if anchors is not None:
-            rollout = self.anchor_rollout
-            is_anchor = rollout.anchor_mask(rows, anchors, device)
-            keep = ~rollout.empty_slots(rows, anchors, device)
-            if args.anchor_filter == "drop":
-                keep &= anchors.has_anchor.to(device).repeat_interleave(group_size)
-            output["advantages"] = output["advantages"] * keep
-            if "importance_sampling_ratio" in output:  # vLLM correction: anchors were sampled by π_ref, not the engine
-                output["importance_sampling_ratio"][rollout.slot_rows(rows, device)] = 1.0
-            output["completion_mask"] = completion_mask * keep.unsqueeze(1).to(completion_mask.dtype)
-            loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
-            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-            self.armor_metrics.anchor_round(anchors, args.anchor_filter, args.anchor_reward_threshold, rollout.cache)
+            is_anchor = self.anchor_rollout.mask_groups(output, anchors)
+            self.armor_metrics.anchor_round(anchors, args.anchor_filter, args.anchor_reward_threshold,
+                                            self.anchor_rollout.cache)
         if args.off_policy_ratio:
             # ordinary off-policy IS on anchor tokens: their "old" policy is π_ref, so TRL's ratio is π_θ/π_ref
-            old = output.get("old_per_token_logps")
-            if old is None:
-                with torch.no_grad():
-                    old = seam.per_token_logps(self, self.model, input_ids, attention_mask, width, batch_size)
-            output["old_per_token_logps"] = torch.where(is_anchor.unsqueeze(1), output["armor_ref_logps"], old)
+            output["old_per_token_logps"] = torch.where(is_anchor.unsqueeze(1), output["armor_ref_logps"],
+                                                        output["old_per_token_logps"])
         output["armor_is_anchor"] = is_anchor
         seam.log_metric(self, "armor/ref_resets", self.reference.resets)
         if self.reference.weights_step is not None:
             seam.log_metric(self, "armor/ref_weights_step", self.reference.weights_step)
         return output
+
+    @torch.no_grad()
+    def _completion_logps(self, model, output: dict) -> torch.Tensor:
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        return seam.per_token_logps(self, model, input_ids, attention_mask, output["completion_ids"].size(1),
+                                    self.args.per_device_train_batch_size)
 
     def _shape_anchor_advantages(self, output: dict) -> None:
         """Anchor-row advantage options: never negative (`mask_negative_anchor_advantage`), weighted by λ."""
@@ -347,6 +332,18 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 mixed_sampling = torch.where(torch.isnan(sampling), mixed_old, mixed_sampling)
             inputs = {**inputs, "sampling_per_token_logps": mixed_sampling}
         return inputs, mixed_old
+
+    def save_model(self, output_dir: str | None = None, *args, **kwargs):
+        if self.reference is None:
+            return super().save_model(output_dir, *args, **kwargs)
+        with self.reference.left_out_of_saves(self.unwrapped_policy()):  # the policy only (π_ref: in checkpoints)
+            return super().save_model(output_dir, *args, **kwargs)
+
+    def create_model_card(self, *args, **kwargs):
+        super().create_model_card(*args, **kwargs)
+        if self.is_world_process_zero():
+            with open(os.path.join(self.args.output_dir, "README.md"), "a") as card:
+                card.write(model_card_settings(self.args))
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         seam.drop_metrics_without_values(self, "train" if self.model.training else "eval")

@@ -221,6 +221,11 @@ def is_new_best(trainer: Trainer, metrics: dict) -> bool:
     return trainer._determine_best_metric(metrics, trial=None)
 
 
+def grpo_citation() -> str:
+    """The BibTeX of GRPO's paper, as TRL's GRPOTrainer cites it in model cards."""
+    return GRPOTrainer._paper["citation"]
+
+
 # --- models ----------------------------------------------------------------------------------------------------------
 def model_id(model) -> str:
     """The hub id or path a model was loaded from (TRL's helper)."""

@@ -94,13 +94,30 @@ def test_nan_reward_is_treated_like_none(tiny_model_path, tiny_tokenizer, prompt
     assert logged(only_nan, "armor/anchor_found_frac") == [0.0]  # nothing applies: never an anchor
 
 
-def test_no_anchor_in_a_whole_run_trains_on_and_says_so(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog):
-    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, anchor_reward_threshold=2.0, max_steps=2)
+def test_a_run_whose_first_rounds_find_no_anchor_stops_naming_the_fixes(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    def reward_len(completions, **kwargs):  # the reward of TRL's GRPO quickstart: continuous, never 1.0
+        return [-abs(20 - len(text)) / 20 for text in completions]
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=reward_len,
+                           max_steps=5)
+    with pytest.raises(ValueError, match=r"No anchor in the first 3 anchor rounds.*threshold=1.0.*\['reward_len'\]"
+                                         r".*anchor_filter='keep'"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # stopped in the third round, not after a whole run of zero losses
+
+
+def test_with_anchor_filter_keep_no_anchor_is_a_loud_warning_every_n_rounds(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog
+):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, anchor_reward_threshold=2.0,
+                           max_steps=4, anchor_filter="keep", anchor_fail_after_rounds=2)
     with caplog.at_level(logging.WARNING):
         trainer.train()
-    assert trainer.state.global_step == 2
-    assert logged(trainer, "armor/anchor_found_frac") == [0.0, 0.0]
-    assert caplog.text.count("No reference candidate reached anchor_reward_threshold") == 1
+    assert trainer.state.global_step == 4
+    assert logged(trainer, "armor/anchor_found_frac") == [0.0] * 4
+    assert caplog.text.count("No anchor in the first") == 2  # after rounds 2 and 4
 
 
 def test_existing_checkpoints_are_not_overwritten(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):

@@ -26,8 +26,11 @@ def test_model_card_names_armor_and_its_paper(tiny_model_path, tiny_tokenizer, p
     assert "ARMOR: Anchor Rollout and Mixed Optimization" in card
     assert "https://huggingface.co/papers/2607.10481" in card
     assert "Cite ARMOR as:" in card and "2607.10481" in card.split("Cite ARMOR as:")[1]
-    # GRPO's paper (DeepSeekMath) is not presented as the method, nor cited as it
-    assert "DeepSeekMath" not in card and "2402.03300" not in card and "trained with GRPO" not in card
+    citations = card.split("Cite ARMOR as:")[1]
+    assert "Kexin Huang and Junkang Wu" in citations  # the paper's authors
+    # GRPO, which ARMOR trains with, is cited too (as TRL's GRPOTrainer cards do), but not presented as the method
+    assert "DeepSeekMath" in citations and "trained with GRPO" not in card
+    assert "## ARMOR settings" in card and "| armor_alpha | 0.75 |" in card and "| anchor_filter | drop |" in card
     front_matter = card.split("---")[1]
     tags = re.findall(r"^- (\S+)$", front_matter, re.MULTILINE)
     assert {"trl", "grpo", "armor"} <= set(tags)
@@ -61,3 +64,17 @@ def test_completions_table_marks_the_anchor_of_each_group(tiny_model_path, tiny_
     assert groups_with_anchor > 0
     found = [h["armor/anchor_found_frac"] for h in trainer.state.log_history if "armor/anchor_found_frac" in h]
     assert groups_with_anchor / (groups_with_anchor + groups_without) == pytest.approx(sum(found) / len(found))
+
+
+def test_saving_a_lora_policy_writes_the_trained_adapter_only(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    from peft import LoraConfig
+
+    args = ArmorConfig(output_dir=str(tmp_path), **cpu_args(max_steps=1))
+    trainer = ArmorGRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=args,
+                               train_dataset=prompt_dataset, processing_class=tiny_tokenizer,
+                               peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    saved = sorted(path.name for path in (tmp_path / "final").iterdir())
+    assert "adapter_config.json" in saved and "ref" not in saved  # PEFT would write the frozen "ref" adapter to ref/
+    assert "ref" in trainer.model.peft_config  # the reference adapter is still there for training

@@ -276,12 +276,20 @@ def test_conversational_prompts_and_weighted_rewards(tiny_model_path, tiny_token
 
 
 # --- bad input -----------------------------------------------------------------------------------------------------
-def test_grpo_config_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+def test_a_grpo_config_is_converted_with_the_fields_it_sets_and_armors_defaults(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog
+):
+    config = GRPOConfig(output_dir=str(tmp_path), **cpu_args(learning_rate=3e-3, gradient_accumulation_steps=2))
+    assert config.epsilon_high is None  # TRL's default; ARMOR's is 0.28
+    trainer = ArmorGRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=config,
+                               train_dataset=prompt_dataset, processing_class=tiny_tokenizer)
+    args = trainer.args
+    assert isinstance(args, ArmorConfig) and trainer.reference is not None
+    assert (args.learning_rate, args.gradient_accumulation_steps, args.num_generations) == (3e-3, 2, 4)  # as set
+    assert (args.loss_type, args.beta, args.epsilon_high) == ("dapo", 0.0, 0.28)  # left unset: ARMOR's defaults
     with pytest.raises(ValueError, match="ArmorConfig"):
-        ArmorGRPOTrainer(
-            model=tiny_model_path, reward_funcs=has_digit_reward, args=GRPOConfig(output_dir=str(tmp_path), **cpu_args()),
-            train_dataset=prompt_dataset, processing_class=tiny_tokenizer,
-        )
+        ArmorGRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args={"learning_rate": 1.0},
+                         train_dataset=prompt_dataset, processing_class=tiny_tokenizer)
 
 
 def test_vllm_without_vllm_installed_says_how_to_install(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):

@@ -77,7 +77,7 @@ def main():
         "batches": trainer.batches,
         "checksum": float(sum(p.detach().double().abs().sum() for p in policy.parameters())),
         "params": {n: p.detach().flatten()[:64].tolist() for n, p in policy.named_parameters()},
-        "refill_drawn": trainer._refill.drawn,
+        "refill_drawn": trainer.dynamic_sampling.refill.drawn,
         "log_history": trainer.state.log_history,
     }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
