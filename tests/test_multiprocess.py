@@ -128,12 +128,10 @@ def check_run(ranks: list[dict], processes: int, distributed_type: str) -> None:
         found = [f for round_ in rounds for f in round_["found"]]
         assert _close(entry["armor/anchor_found_frac"], sum(found) / len(found)), (entry["step"], found)
         assert _close(entry["armor/groups_dropped_frac"], 1 - sum(found) / len(found))
-        scored = []  # rollout rewards of rows that are group members (empty anchor slots are not)
-        for round_ in rounds:
-            size = round_["rows"] // round_["groups"]
-            for row, reward in enumerate(round_["rollout_rewards"]):
-                if not (row % size == size - 1 and not round_["found"][row // size]):
-                    scored.append(reward)
+        scored = []  # rewards of the group members: on-policy rows scored in the rollout, anchors verified (1.0)
+        for round_ in rounds:  # (an anchor keeps the score it was verified with; an empty slot is no member)
+            assert len(round_["rollout_rewards"]) == round_["rows"] - round_["groups"]  # anchors not scored again
+            scored += round_["rollout_rewards"] + [1.0] * sum(round_["found"])
         assert _close(entry["rewards/has_digit/mean"], sum(scored) / len(scored)), (entry["step"], scored)
     # ... and every process logs the same values.
     for r in ranks[1:]:
