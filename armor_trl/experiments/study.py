@@ -156,8 +156,11 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
     for seed in seed_list:
         for arm, overrides in resolved.items():
             name = f"{arm}-seed{seed}"
+            run_overrides = {**overrides, **smoke_overrides}
+            if smoke and run_overrides.get("method", recipe.get("method")) == "armor":
+                run_overrides["anchor_fail_after_rounds"] = 0  # a seconds-long warm-up may give no anchor in 4 steps
             jobs.append({"arm": arm, "seed": seed, "name": name, "recipe_file": str(recipe_file),
-                         "overrides": {**overrides, **smoke_overrides}, "model": model_path,
+                         "overrides": run_overrides, "model": model_path,
                          "output_dir": str(out / "runs" / name), "metrics": str(metrics_path(out, arm, seed))})
     pending = [j for j in jobs if not Path(j["metrics"]).is_file()]
     workers = min(workers or os.cpu_count() or 1, max(1, len(pending)))
