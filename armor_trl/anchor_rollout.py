@@ -4,6 +4,9 @@
 then m anchors per group, from the anchor cache, from the dataset's anchor column, or picked from
 ``anchor_num_samples`` candidates sampled from π_ref and scored once with the trainer's reward functions. It returns
 the completions in TRL's row order and an :class:`~armor_trl.anchors.AnchorRound` with what the later steps need.
+
+Same-call rounds (``anchor_same_call``): when π_ref holds the weights that generate the round, the candidates are
+extra rows of the policy's own generate call instead of a second call on π_ref (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class AnchorRollout:
         # anchor slots per group: none when the anchor only gates its group (anchor_gate_only)
         self.slots_per_group = 0 if args.anchor_gate_only else args.anchors_per_group
         self.funcs = trainer.verifier_funcs  # the reward functions that verify a candidate (None: all)
+        self.same_call_round = False  # whether the last round's candidates came from the policy's own call
         self.cache = AnchorCache(args.anchor_cache_size, args.anchor_cache_per_prompt) if args.anchor_cache else None
         self.column = None
         if args.anchor_source == "column":
@@ -45,24 +49,61 @@ class AnchorRollout:
     def generate(self, generate_policy, prompt_ids: list, group_size: int, inputs: list[dict]):
         """The round's completion ids (and vLLM sampling log-probs, or None) in row order, and its AnchorRound.
 
-        ``generate_policy(prompt_ids, n)`` is TRL's own generation of the on-policy completions.
+        ``generate_policy(prompt_ids, n)`` is TRL's own generation of the on-policy completions (and, in a same-call
+        round, of the K anchor candidates per group too).
         """
         rows, slots = len(prompt_ids), self.slots_per_group
         firsts = list(range(0, rows, group_size))
-        on_policy_ids, on_policy_logprobs = generate_policy(
-            [prompt_ids[i] for i in policy_rows(rows, group_size, slots)], group_size - slots
-        )
-        anchor_ids, anchors = self.sample([prompt_ids[i] for i in firsts], [inputs[i] for i in firsts])
+        group_prompt_ids, group_inputs = [prompt_ids[i] for i in firsts], [inputs[i] for i in firsts]
+        self.same_call_round = self.same_call_applies()
+        seam.log_metric(self.trainer, "armor/anchor_same_call", float(self.same_call_round))
+        if self.same_call_round:
+            on_policy_ids, on_policy_logprobs, candidates = self._same_call(generate_policy, group_prompt_ids,
+                                                                            group_size - slots)
+            anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs, candidates)
+        else:
+            on_policy_ids, on_policy_logprobs = generate_policy(
+                [prompt_ids[i] for i in policy_rows(rows, group_size, slots)], group_size - slots
+            )
+            anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs)
         if not slots:  # anchor_gate_only: the anchors decided the gate and are not trained
             return on_policy_ids, on_policy_logprobs, anchors
         logprobs = None
-        if on_policy_logprobs is not None:  # vLLM: anchors were not sampled by the policy engine
+        if on_policy_logprobs is not None:  # vLLM: anchors are never importance-corrected (their ratio is set to 1)
             logprobs = fill_groups(on_policy_logprobs, neutral_sampling_logprobs(anchor_ids), group_size, slots)
         return fill_groups(on_policy_ids, anchor_ids, group_size, slots), logprobs, anchors
 
-    def sample(self, group_prompt_ids: list, group_inputs: list[dict]) -> tuple[list, AnchorRound]:
+    def same_call_applies(self) -> bool:
+        """Whether this round's K candidates per group can be extra rows of the policy's generate call: π_ref holds
+        the weights that generate the round, i.e. no optimizer step since the reference last copied the policy
+        (decided by the reference's state, not by comparing weights), and the anchors are sampled, not read from
+        the dataset's column."""
+        trainer = self.trainer
+        if not self.args.anchor_same_call:
+            return False
+        if self.column is not None and self.column.active(trainer.reference.resets):
+            return False
+        return trainer.reference.equals_policy_at(trainer.state.global_step)
+
+    def _same_call(self, generate_policy, group_prompt_ids: list, per_group: int):
+        """One policy call with ``per_group`` on-policy rows and K candidate rows per group: the on-policy ids (and
+        vLLM log-probs) in row order, and {group: its K candidates}. All rows of a group are i.i.d. samples of the
+        same policy, so which of them are candidates does not matter: the last K."""
+        n = per_group + self.args.anchor_num_samples
+        ids, logprobs = generate_policy([ids for ids in group_prompt_ids for _ in range(n)], n)
+        on_policy, on_policy_logprobs, candidates = [], None if logprobs is None else [], {}
+        for g in range(len(group_prompt_ids)):
+            on_policy += ids[g * n : g * n + per_group]
+            candidates[g] = ids[g * n + per_group : (g + 1) * n]
+            if logprobs is not None:
+                on_policy_logprobs += logprobs[g * n : g * n + per_group]
+        return on_policy, on_policy_logprobs, candidates
+
+    def sample(self, group_prompt_ids: list, group_inputs: list[dict], candidates: dict | None = None
+               ) -> tuple[list, AnchorRound]:
         """``max(anchor slots, 1)`` anchors per group, group after group: from the cache, the column, or picked from K
-        reference candidates per ``anchor_selection``. Where no candidate is eligible the slot still gets one (so
+        reference candidates per ``anchor_selection`` (``candidates``: {group: its K candidates}, already sampled in
+        the policy's call; else sampled here). Where no candidate is eligible the slot still gets one (so
         shapes stay fixed) and ``found`` marks it; it is then no member of its group."""
         trainer, args = self.trainer, self.args
         device = trainer.accelerator.device
@@ -100,7 +141,8 @@ class AnchorRollout:
         verified_frac, best_candidate = torch.empty(0), math.nan
         if sampled:
             candidate_ids, rewards = self._score_candidates(
-                [group_prompt_ids[g] for g in sampled], [group_inputs[g] for g in sampled], k
+                [group_prompt_ids[g] for g in sampled], [group_inputs[g] for g in sampled], k,
+                None if candidates is None else [ids for g in sampled for ids in candidates[g]],
             )
             weights = weights.to(rewards.device)
             chosen, _ = select_anchors(rewards, weights, k, args.anchor_reward_threshold, per_group,
@@ -131,12 +173,14 @@ class AnchorRollout:
         )
         return [ids for group in anchors for ids in group], anchor_round
 
-    def _score_candidates(self, prompt_ids: list, inputs: list[dict], k: int):
-        """K candidates of π_ref per prompt and their rewards (rows, reward functions), NaN where None."""
+    def _score_candidates(self, prompt_ids: list, inputs: list[dict], k: int, candidate_ids: list | None = None):
+        """K candidates of π_ref per prompt (sampled here unless given) and their rewards (rows, reward functions),
+        NaN where None."""
         trainer = self.trainer
         candidate_prompt_ids = [ids for ids in prompt_ids for _ in range(k)]
         candidate_inputs = [row for row in inputs for _ in range(k)]
-        candidate_ids = self._reference_candidates(candidate_prompt_ids, k)
+        if candidate_ids is None:
+            candidate_ids = self._reference_candidates(candidate_prompt_ids, k)
         prompts = [row["prompt"] for row in candidate_inputs]
         completions = seam.decode(trainer, candidate_ids, seam.is_conversational_prompt(prompts[0]))
         return candidate_ids, seam.score_quietly(trainer, candidate_inputs, prompts, completions, candidate_ids)

@@ -12,7 +12,7 @@ import torch
 from transformers.utils import logging
 
 from . import trl_seam as seam
-from .mixture import k3_kl, mixed_logprobs
+from .mixture import clip_masks, importance_ratio, k3_kl, mixed_ratio
 
 logger = logging.get_logger(__name__)
 
@@ -22,7 +22,7 @@ def share(numerator: float, denominator: float) -> float:
 
 
 class ArmorMetrics:
-    """Logs the anchors of a round, the anchor rows' advantages and the mixed ratio of each micro-batch."""
+    """Logs the anchors of a round, the anchor rows' advantages and the loss's ratio in each micro-batch."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -88,40 +88,56 @@ class ArmorMetrics:
             self.log(f"armor/{kind}_advantage_mean", share(sums[2 + index], sums[4 + index]))
 
     @torch.no_grad()
-    def mixed_ratio(self, inputs, logps, entropies, ref_logps, mixed_old, alpha, epsilon_low, epsilon_high) -> None:
-        """Per micro-batch, for on-policy and anchor rows: the mixed ratio's mean and extremes, the share of tokens
-        clipped, the KLs to π_ref and the entropy."""
+    def loss_ratios(self, inputs, logps, entropies, ref_logps, alpha, epsilon_low, epsilon_high,
+                    level: str = "token") -> None:
+        """Per micro-batch, for on-policy and anchor rows (any configuration): what the loss's ratio does.
+
+        ``inputs`` hold the old policy's log-probs as TRL got them (absent: on-policy, π_old = π_θ); ``ref_logps``
+        is given when the loss uses the mixed ratio. Logs the share of tokens the loss clips low / high (on r_mix
+        with the mixed ratio, on TRL's ratio otherwise, per ``level``), mean and max |r − 1| of the plain ratio
+        r = π_θ/π_old and, with the mixed ratio, of |r_mix − 1|; mean / min / max of the clipped ratio; the
+        entropy; with the mixed ratio the k3 KLs to π_ref."""
         mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
-        mixed = mixed_logprobs(logps, ref_logps, alpha)
-        ratio = torch.exp(mixed - (mixed if mixed_old is None else mixed_old))
-        advantages = inputs["advantages"].unsqueeze(1) if inputs["advantages"].dim() == 1 else inputs["advantages"]
-        anchor = inputs["armor_is_anchor"].unsqueeze(1) & mask
-        policy = ~inputs["armor_is_anchor"].unsqueeze(1) & mask
-        low = (ratio < 1 - epsilon_low) & (advantages < 0) & mask
-        high = (ratio > 1 + epsilon_high) & (advantages > 0) & mask
+        old = inputs.get("old_per_token_logps")
+        old = logps if old is None else old  # TRL: no old log-probs = one step per rollout batch, π_old = π_θ
+        anchor_rows = inputs.get("armor_is_anchor")
+        anchor_rows = torch.zeros(mask.size(0), dtype=torch.bool) if anchor_rows is None else anchor_rows
+        anchor_rows = anchor_rows.to(mask.device).unsqueeze(1)
+        plain = importance_ratio(logps, old, mask)
+        mixed = None if ref_logps is None else mixed_ratio(logps, old, ref_logps, alpha)
+        clipped = mixed if mixed is not None else importance_ratio(logps, old, mask, level)
+        low, high = clip_masks(clipped, inputs["advantages"], mask, epsilon_low, epsilon_high)
         entropies = torch.zeros_like(logps) if entropies is None else entropies
-        total = self._sums([
-            (ratio * policy).sum(), policy.sum(), (ratio * anchor).sum(), anchor.sum(), low.sum(), high.sum(),
-            mask.sum(),
-            (k3_kl(logps, ref_logps) * policy).sum(),  # reverse KL(π_θ‖π_ref), on-policy samples
-            (k3_kl(ref_logps, logps) * anchor).sum(),  # forward KL(π_ref‖π_θ), anchor samples
-            (entropies * policy).sum(), (entropies * anchor).sum(),
-        ])
-        extremes = torch.stack([
-            torch.where(policy, ratio, math.inf).min(), -torch.where(policy, ratio, -math.inf).max(),
-            torch.where(anchor, ratio, math.inf).min(), -torch.where(anchor, ratio, -math.inf).max(),
-        ]).float()
-        policy_min, neg_policy_max, anchor_min, neg_anchor_max = (
-            self.trainer.accelerator.gather(extremes.unsqueeze(0)).min(dim=0).values.tolist()
-        )
-        self.log("armor/ratio_policy_mean", share(total[0], total[1]))
-        self.log("armor/ratio_anchor_mean", share(total[2], total[3]))
-        for name, value in (("armor/ratio_policy_min", policy_min), ("armor/ratio_policy_max", -neg_policy_max),
-                            ("armor/ratio_anchor_min", anchor_min), ("armor/ratio_anchor_max", -neg_anchor_max)):
-            self.log(name, value if math.isfinite(value) else math.nan)
-        self.log("armor/clip_low_frac", share(total[4], total[6]))
-        self.log("armor/clip_high_frac", share(total[5], total[6]))
-        self.log("armor/kl_reverse_policy", share(total[7], total[1]))
-        self.log("armor/kl_forward_anchor", share(total[8], total[3]))
-        self.log("armor/policy_entropy", share(total[9], total[1]))
-        self.log("armor/anchor_entropy", share(total[10], total[3]))
+        deviations = {"abs_ratio_dev": (plain - 1).abs()}
+        if mixed is not None:
+            deviations["abs_mixed_ratio_dev"] = (mixed - 1).abs()
+        kinds = {"policy": ~anchor_rows & mask, "anchor": anchor_rows & mask}
+        sums, maxima = [low.sum(), high.sum(), mask.sum()], []
+        for rows in kinds.values():
+            sums += [rows.sum(), (low & rows).sum(), (high & rows).sum(), (clipped * rows).sum(),
+                     (entropies * rows).sum()] + [(dev * rows).sum() for dev in deviations.values()]
+            maxima += [torch.where(rows, clipped, -math.inf).max(), -torch.where(rows, clipped, math.inf).min()]
+            maxima += [torch.where(rows, dev, -math.inf).max() for dev in deviations.values()]
+        if ref_logps is not None:
+            sums += [(k3_kl(logps, ref_logps) * kinds["policy"]).sum(),  # reverse KL(π_θ‖π_ref), on-policy samples
+                     (k3_kl(ref_logps, logps) * kinds["anchor"]).sum()]  # forward KL(π_ref‖π_θ), anchor samples
+        sums = self._sums(sums)
+        maxima = self.trainer.accelerator.gather(torch.stack(maxima).float().unsqueeze(0)).max(dim=0).values.tolist()
+        self.log("armor/clip_low_frac", share(sums[0], sums[2]))
+        self.log("armor/clip_high_frac", share(sums[1], sums[2]))
+        per_kind, extremes = 5 + len(deviations), 2 + len(deviations)
+        for index, kind in enumerate(kinds):
+            tokens, low_sum, high_sum, ratio_sum, entropy_sum, *dev_sums = sums[3 + index * per_kind:][:per_kind]
+            top, neg_bottom, *dev_max = maxima[index * extremes:][:extremes]
+            self.log(f"armor/{kind}_clip_low_frac", share(low_sum, tokens))
+            self.log(f"armor/{kind}_clip_high_frac", share(high_sum, tokens))
+            self.log(f"armor/ratio_{kind}_mean", share(ratio_sum, tokens))
+            self.log(f"armor/ratio_{kind}_min", -neg_bottom if tokens else math.nan)
+            self.log(f"armor/ratio_{kind}_max", top if tokens else math.nan)
+            self.log(f"armor/{kind}_entropy", share(entropy_sum, tokens))
+            for name, dev_sum, dev_top in zip(deviations, dev_sums, dev_max):
+                self.log(f"armor/{kind}_{name}_mean", share(dev_sum, tokens))
+                self.log(f"armor/{kind}_{name}_max", dev_top if tokens else math.nan)
+        if ref_logps is not None:
+            self.log("armor/kl_reverse_policy", share(sums[-2], sums[3]))
+            self.log("armor/kl_forward_anchor", share(sums[-1], sums[3 + per_kind]))

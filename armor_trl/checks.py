@@ -74,3 +74,29 @@ def check_prompt_lengths(model, prompt_ids: list, max_completion_length: int) ->
             f"exceeds the model's max_position_embeddings ({limit}). Filter or truncate long prompts, or lower "
             "max_completion_length."
         )
+
+
+def optimizer_steps_per_rollout(args) -> float:
+    """Optimizer steps each rollout (generation) batch gets: steps_per_generation micro-batches per generation,
+    gradient_accumulation_steps per optimizer step, the batch reused num_iterations times (below 1: one optimizer
+    step spans several rollout batches)."""
+    return args.steps_per_generation * args.num_iterations / args.gradient_accumulation_steps
+
+
+def describe_update_regime(args) -> str:
+    """The update regime of a GRPOConfig / ArmorConfig in one line: fully on-policy, or M optimizer steps per
+    rollout batch. Shared by ``armor-trl train --dry_run`` and ArmorGRPOTrainer's start-up."""
+    steps = optimizer_steps_per_rollout(args)
+    fields = (f"steps_per_generation={args.steps_per_generation}, gradient_accumulation_steps="
+              f"{args.gradient_accumulation_steps}, num_iterations={args.num_iterations}")
+    mixed = getattr(args, "armor_enabled", False) and getattr(args, "use_mixed_ratio", False)
+    if steps <= 1:
+        # TRL then takes π_old = π_θ at the loss (old log-probs are not even computed without vLLM)
+        return (f"update regime: fully on-policy, one optimizer step per rollout batch ({fields}): π_old = π_θ at the "
+                "loss, so the ratio r is 1 and the clip never binds"
+                + ("; ARMOR's mixed ratio r_mix is 1 too and acts only as a per-token gradient weight "
+                   "α·π_θ/(α·π_θ + (1−α)·π_ref)" if mixed else "")
+                + ". For several optimizer steps per rollout batch (the paper: 16) raise steps_per_generation (or "
+                "generation_batch_size) above gradient_accumulation_steps, or num_iterations above 1.")
+    return (f"update regime: {steps:g} optimizer steps per rollout batch ({fields}): from the second on π_θ moves "
+            f"away from π_old, so the ratio{' (r_mix)' if mixed else ''} leaves 1 and the clip can bind.")

@@ -141,6 +141,11 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
         from .evaluation import check_k
 
         check_k(script_args.val_k, script_args.val_num_samples, "val_k", "val_num_samples")
+    if script_args.val_kl_prompts < 0 or script_args.val_kl_samples < 1:
+        raise ValueError(f"need val_kl_prompts >= 0 (0 = off) and val_kl_samples >= 1, got "
+                         f"{script_args.val_kl_prompts} and {script_args.val_kl_samples}.")
+    if script_args.val_kl_prompts and script_args.val_every_steps <= 0:
+        raise ValueError("val_kl_prompts > 0 measures the KL at each validation: set val_every_steps > 0 too.")
     weights = training_args.reward_weights
     if weights is not None and len(weights) != len(rewards):
         raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(rewards)} reward functions.")
@@ -195,8 +200,10 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
     )
     accumulation = training_args.gradient_accumulation_steps
     lines.append(f"optimizer step: {training_args.per_device_train_batch_size * accumulation * world} completions "
-                 f"({accumulation} accumulation steps); {training_args.steps_per_generation / accumulation:g} "
-                 "optimizer step(s) per generation round")
+                 f"({accumulation} accumulation steps)")
+    from .checks import describe_update_regime
+
+    lines.append(describe_update_regime(training_args))
     max_steps = training_args.max_steps
     if max_steps <= 0 and train is not None:
         max_steps = math.ceil(len(train) * training_args.num_generations * training_args.num_train_epochs
@@ -509,11 +516,22 @@ def study_main(argv: list[str]) -> int:
     parser.add_argument("--baselines", default=None, help="Comma-separated arms every other arm is paired with "
                         f"(default: {','.join(study.BASELINES)}; those that ran).")
     parser.add_argument("--smoke", action="store_true", help="The recipe's demo.smoke settings: runs in seconds.")
+    parser.add_argument("--warmup_seeds", default=None, help="Comma-separated warm-up seeds, one warm checkpoint each "
+                        "(default: study.warmup_seeds, else the recipe's demo.warmup.seed alone); with several, "
+                        "metrics/<arm>-warm<w>-seed<s>.jsonl and hierarchical bootstrap CIs.")
+    parser.add_argument("--tuning_seeds", default=None, help="Comma-separated seeds on which a study.select alias "
+                        "picks its arm (default: study.tuning_seeds); must not overlap the reporting seeds.")
+    parser.add_argument("--primary", default=None, help="Primary comparisons, arm:baseline,... (default: "
+                        "study.primary); reported first, on final, auc and min_after_peak.")
+    parser.add_argument("--preregister", default=None, help="A pre-registration file: summary.json records its last "
+                        "git commit next to the repository's.")
     args = parser.parse_args(argv)
     names = lambda text: [a.strip() for a in text.split(",") if a.strip()] if text else None  # noqa: E731
     try:
         study.run_study(args.config, names(args.arms), args.seeds, args.workers, args.output_dir, args.smoke,
-                        args.arms_file, args.resamples, baselines=names(args.baselines))
+                        args.arms_file, args.resamples, baselines=names(args.baselines),
+                        warmup_seeds=args.warmup_seeds, tuning_seeds=args.tuning_seeds, primary=args.primary,
+                        preregister=args.preregister)
     except (ValueError, FileExistsError) as error:
         print(f"armor-trl study: error: {error}", file=sys.stderr)
         return 2

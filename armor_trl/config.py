@@ -254,6 +254,17 @@ class ArmorConfig(GRPOConfig):
             "choices": list(ANCHOR_SOURCES),
         },
     )
+    anchor_same_call: bool = field(
+        default=True,
+        metadata={
+            "help": "When π_ref holds exactly the weights that generate the rollout batch (no optimizer step since the "
+            "reference last copied the policy: step 0 with the initial policy as reference, a reset at every rollout "
+            "batch, a reset on a rollout boundary), sample the K anchor candidates per group as extra rows of the "
+            "policy's own generate call, and reuse the old-policy log-probs as π_ref's (when TRL computes them): no "
+            "second generate call, no weight swap. Same distribution as a separate reference call, other random "
+            "draws. Logged as `armor/anchor_same_call`. False: always sample candidates in a separate call."
+        },
+    )
     anchor_column: str = field(
         default="anchors",
         metadata={

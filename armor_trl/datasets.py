@@ -252,12 +252,16 @@ def has_carry(a: int, b: int) -> bool:
     return False
 
 
-# Restrictions of the training problems only (``arithmetic_train_filter``); the held-out set is never filtered.
+# Restrictions of the training problems (``arithmetic_train_filter``) or of the held-out ones
+# (``arithmetic_eval_filter``); by default neither set is filtered.
 # "no_carry" gives training a shortcut the held-out set punishes: every training answer is the column-wise digit
 # sum, so a policy that stops carrying loses no training reward, while most held-out problems need a carry.
 # "no_units_carry" is a milder one: only the ones column never carries (the tens column may, into a hundreds digit).
+# "carry" (some column carries) is for the held-out set (``arithmetic_eval_filter``): the mode testbed's held-out
+# problems, which only a method that carries gets right.
 ARITHMETIC_FILTERS = {"no_carry": lambda a, b: not has_carry(a, b),
-                      "no_units_carry": lambda a, b: a % 10 + b % 10 < 10}
+                      "no_units_carry": lambda a, b: a % 10 + b % 10 < 10,
+                      "carry": has_carry}
 
 
 def arithmetic_problems(n: int, seed: int | str = 0, digits: int = 2, exclude: set[str] | None = None,
@@ -266,8 +270,9 @@ def arithmetic_problems(n: int, seed: int | str = 0, digits: int = 2, exclude: s
     only pairs for which ``keep(a, b)`` is true when ``keep`` is given."""
     rng = random.Random(seed)
     low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
-    pool = (high - low + 1) ** 2 if keep is None else sum(
-        keep(a, b) for a in range(low, high + 1) for b in range(low, high + 1))
+    pool = (high - low + 1) ** 2
+    if keep is not None and pool <= 10**6:  # counting the kept pairs of 4+ digits would take minutes
+        pool = sum(keep(a, b) for a in range(low, high + 1) for b in range(low, high + 1))
     if n > pool - len(exclude or ()):
         raise ValueError(f"cannot draw {n} distinct {digits}-digit problems")
     seen, problems = set(exclude or ()), []
@@ -282,17 +287,18 @@ def arithmetic_problems(n: int, seed: int | str = 0, digits: int = 2, exclude: s
 
 def arithmetic_splits(
     train_size: int, eval_size: int, seed: int = 0, digits: int = 2, chat: bool = False, system_prompt: str | None = None,
-    train_filter: str | None = None,
+    train_filter: str | None = None, eval_filter: str | None = None,
 ) -> tuple[Dataset, Dataset]:
     """Disjoint train and held-out sets of the synthetic addition task, as ``prompt``/``answer`` datasets.
 
-    The held-out set depends only on (``eval_size``, ``seed``, ``digits``): changing the training set's size
-    keeps the same held-out problems (and a larger training set extends a smaller one). ``train_filter`` (a key of
-    :data:`ARITHMETIC_FILTERS`) restricts the training problems only.
+    The held-out set depends only on (``eval_size``, ``seed``, ``digits``, ``eval_filter``): changing the training
+    set's size keeps the same held-out problems (and a larger training set extends a smaller one). ``train_filter``
+    and ``eval_filter`` (keys of :data:`ARITHMETIC_FILTERS`) restrict the training and the held-out problems.
     """
-    if train_filter is not None and train_filter not in ARITHMETIC_FILTERS:
-        raise ValueError(f"Unknown arithmetic_train_filter {train_filter!r}: expected one of {sorted(ARITHMETIC_FILTERS)}.")
-    held_out = arithmetic_problems(eval_size, seed, digits)
+    for name, value in (("arithmetic_train_filter", train_filter), ("arithmetic_eval_filter", eval_filter)):
+        if value is not None and value not in ARITHMETIC_FILTERS:
+            raise ValueError(f"Unknown {name} {value!r}: expected one of {sorted(ARITHMETIC_FILTERS)}.")
+    held_out = arithmetic_problems(eval_size, seed, digits, keep=ARITHMETIC_FILTERS.get(eval_filter))
     train = arithmetic_problems(train_size, f"{seed}-train", digits, exclude={p for p, _ in held_out},
                                 keep=ARITHMETIC_FILTERS.get(train_filter))
 

@@ -26,6 +26,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 
 from . import trl_seam
+from .mixture import sequence_log_ratios
 from .rewards import completion_text
 
 logger = logging.get_logger(__name__)
@@ -179,6 +180,7 @@ def evaluate(
     top_p: float = 1.0,
     batch_size: int = 64,
     seed: int | None = None,
+    classify: Callable[[str], str] | None = None,
 ) -> dict:
     """avg@n and pass@k of ``model`` on ``dataset`` (columns ``prompt``, ``answer``, ...) with ``verifier``.
 
@@ -187,7 +189,8 @@ def evaluate(
     scored ``None``) are left out of both and reported: ``num_problems`` counts the judged ones, ``num_total``
     all, ``num_unjudged`` the difference, ``unjudged_reasons`` counts per reason (:data:`UNJUDGED_REASONS`)
     and ``unjudged`` lists each left-out problem (index, reason, ground truth).
-    With ``seed`` sampling is reproducible and leaves the global RNG state as it was.
+    With ``seed`` sampling is reproducible and leaves the global RNG state as it was. With ``classify`` (completion
+    text → mode label, e.g. :func:`armor_trl.modes.classify`), ``mode_shares`` gives each mode's share of all samples.
     """
     n = check_k(k, num_samples)
     with torch.random.fork_rng(devices=[]):
@@ -198,7 +201,23 @@ def evaluate(
         )
     counts, reasons = score_with_reasons(completions, dataset, verifier)
     samples = [[completion_text(s) for s in group[:2]] for group in completions[:4]]
-    return summarize(counts, reasons, dataset, n, k, samples)
+    result = summarize(counts, reasons, dataset, n, k, samples)
+    if classify is not None:
+        result["mode_shares"] = mode_shares(mode_counts(completions, classify), classify)
+    return result
+
+
+def mode_counts(completions: list[list], classify: Callable[[str], str]) -> Counter:
+    """How many of the completions (a list per problem) ``classify`` puts in each mode."""
+    return Counter(classify(completion_text(c)) for group in completions for c in group)
+
+
+def mode_shares(counts: Counter, classify: Callable[[str], str]) -> dict[str, float]:
+    """Each mode's share of the counted completions; every label in ``classify.modes`` (if it has one) is listed,
+    zeros included, so the logged columns do not come and go."""
+    total = sum(counts.values())
+    labels = list(getattr(classify, "modes", ())) + sorted(set(counts) - set(getattr(classify, "modes", ())))
+    return {label: counts[label] / total if total else 0.0 for label in labels}
 
 
 def summarize(counts: list, reasons: list, dataset, n: int, k: int, samples: list | None = None) -> dict:
@@ -251,6 +270,28 @@ def _all_gather(value) -> list:
     return out
 
 
+def sample_ids_with_trainer(trainer, all_ids: list[list[int]], indices: list[int], draws: int, seed: int,
+                            per_call: int, temperature: float, top_p: float, max_new_tokens: int) -> list[list[list[int]]]:
+    """``draws`` completions (token ids) for each prompt ``all_ids[i]``, ``i`` in ``indices``, through the trainer's
+    generation path with these sampling settings; each call holds ``per_call`` prompts and is seeded from its first
+    (:func:`problem_seed`). The global RNG state and the model's train/eval mode are restored."""
+    model, was_training = trainer.model, trainer.model.training
+    device = trainer.accelerator.device
+    groups: list[list[list[int]]] = []
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                trl_seam.sampling_with(trainer, temperature, top_p, max_new_tokens):
+            for start in range(0, len(indices), per_call):
+                chunk = indices[start : start + per_call]
+                torch.manual_seed(problem_seed(seed, chunk[0]))
+                ids = trl_seam.generate(trainer, [all_ids[i] for i in chunk for _ in range(draws)], draws)
+                groups += [ids[j * draws : (j + 1) * draws] for j in range(len(chunk))]
+    finally:
+        model.train(was_training)
+    return groups
+
+
 def evaluate_with_trainer(
     trainer,
     dataset,
@@ -262,6 +303,7 @@ def evaluate_with_trainer(
     top_p: float = 1.0,
     batch_size: int = 64,
     seed: int = 0,
+    classify: Callable[[str], str] | None = None,
 ) -> dict:
     """:func:`evaluate` through a GRPOTrainer's own generation path (transformers, or vLLM colocate/server when
     ``use_vllm``), sharded over all its processes; every process must call it and gets the same result.
@@ -278,22 +320,9 @@ def evaluate_with_trainer(
     tokenizer = trainer.processing_class
     all_ids = _prompt_ids(tokenizer, dataset["prompt"])
     indices, real = shard(len(all_ids), trainer.accelerator.process_index, trainer.accelerator.num_processes)
-    per_call = max(1, batch_size // draws)
-    model, was_training = trainer.model, trainer.model.training
-    device = trainer.accelerator.device
-    completions: list[list[str]] = []
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                trl_seam.sampling_with(trainer, temperature, top_p, max_new_tokens):
-            for start in range(0, len(indices), per_call):
-                chunk = indices[start : start + per_call]
-                torch.manual_seed(problem_seed(seed, chunk[0]))
-                ids = trl_seam.generate(trainer, [all_ids[i] for i in chunk for _ in range(draws)], draws)
-                texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-                completions += [texts[j * draws : (j + 1) * draws] * (n // draws) for j in range(len(chunk))]
-    finally:
-        model.train(was_training)
+    groups = sample_ids_with_trainer(trainer, all_ids, indices, draws, seed, max(1, batch_size // draws), temperature,
+                                     top_p, max_new_tokens)
+    completions = [tokenizer.batch_decode(ids, skip_special_tokens=True) * (n // draws) for ids in groups]
     own = indices[:real]
     counts, reasons = score_with_reasons(completions[:real], dataset.select(own), verifier) if own else ([], [])
     local = [(i, c, r, group[:2]) for i, c, r, group in zip(own, counts, reasons, completions)]
@@ -301,7 +330,11 @@ def evaluate_with_trainer(
     if [row[0] for row in rows] != list(range(len(all_ids))):
         raise RuntimeError(f"validation gathered problems {[row[0] for row in rows]}, expected 0..{len(all_ids) - 1}")
     samples = [[completion_text(s) for s in row[3]] for row in rows[:4]]
-    return summarize([row[1] for row in rows], [row[2] for row in rows], dataset, n, k, samples)
+    result = summarize([row[1] for row in rows], [row[2] for row in rows], dataset, n, k, samples)
+    if classify is not None:  # collective, like the gather above: every process has the same classify
+        modes = sum(_all_gather(mode_counts(completions[:real], classify)), Counter())
+        result["mode_shares"] = mode_shares(modes, classify)
+    return result
 
 
 def _from_main_process(value):
@@ -311,6 +344,107 @@ def _from_main_process(value):
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# Sequences per forward pass when scoring KL samples: full-vocabulary logits of long completions are large.
+KL_FORWARD_ROWS = 4
+
+
+@torch.no_grad()
+def completion_logps(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], temperature: float,
+                     pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs (logits / ``temperature``) of each completion after its prompt under ``model``, and the
+    completion mask: (rows, longest completion) each. Prompts are left-padded, completions right-padded."""
+    device = next(model.parameters()).device
+    logps, masks = [], []
+    width = max(len(ids) for ids in completion_ids)
+    for start in range(0, len(prompt_ids), KL_FORWARD_ROWS):
+        prompts, completions = prompt_ids[start : start + KL_FORWARD_ROWS], completion_ids[start : start + KL_FORWARD_ROWS]
+        left = max(len(ids) for ids in prompts)
+        rows = [[pad_id] * (left - len(p)) + p + c + [pad_id] * (width - len(c)) for p, c in zip(prompts, completions)]
+        attention = [[0] * (left - len(p)) + [1] * (len(p) + len(c)) + [0] * (width - len(c))
+                     for p, c in zip(prompts, completions)]
+        input_ids, attention = torch.tensor(rows, device=device), torch.tensor(attention, device=device)
+        positions = (attention.cumsum(1) - 1).clamp(min=0)  # left padding must not shift the prompt's positions
+        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+        logits = logits[:, left - 1 : -1].float() / temperature  # the logits that predict each completion token
+        logps.append(logits.log_softmax(-1).gather(-1, input_ids[:, left:, None]).squeeze(-1))
+        masks.append(attention[:, left:])
+    return torch.cat(logps), torch.cat(masks)
+
+
+class StartKL:
+    """KL between the policy and the model training started from, on fixed prompts: reverse KL(π_θ‖π_0) on samples
+    of the policy, forward KL(π_0‖π_θ) on samples of the start model, each the Monte-Carlo mean over completions of
+    Σ_t log-ratio (:func:`armor_trl.mixture.kl_estimate`), with validation's sampling settings (log-probs of the
+    temperature-scaled distribution; top-p truncation is not modelled).
+
+    Built at the start of training (π_θ = π_0 then): keeps a copy of the trainable weights (all of them in a full
+    fine-tune, the adapter with LoRA) and draws the start model's samples once. π_0's log-probs are computed with
+    those weights swapped into the policy for the forward pass and swapped back. Prompts are sharded over processes
+    like validation's problems (:func:`shard`); every process must call :meth:`measure`."""
+
+    def __init__(self, trainer, prompts: Sequence, num_samples: int, seed: int, temperature: float, top_p: float,
+                 max_new_tokens: int, batch_size: int):
+        self.trainer, self.num_samples, self.seed = trainer, num_samples, seed
+        self.sampling = dict(per_call=max(1, batch_size // num_samples), temperature=temperature, top_p=top_p,
+                             max_new_tokens=max_new_tokens)
+        tokenizer = trainer.processing_class
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.all_ids = _prompt_ids(tokenizer, prompts)
+        self.indices, self.real = shard(len(self.all_ids), trainer.accelerator.process_index,
+                                        trainer.accelerator.num_processes)
+        self.start_weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters()
+                              if p.requires_grad}
+        self.start_samples = self._sample(seed)
+
+    def _sample(self, seed: int):
+        """(prompt ids, completion ids) of this process's real prompts, ``num_samples`` rows each."""
+        groups = sample_ids_with_trainer(self.trainer, self.all_ids, self.indices, self.num_samples, seed,
+                                         **self.sampling)
+        pairs = [(self.all_ids[i], ids) for i, group in zip(self.indices[: self.real], groups) for ids in group]
+        return [p for p, _ in pairs], [c for _, c in pairs]
+
+    def _swap_start_weights(self) -> None:
+        """Exchange the policy's trainable weights with the stored start weights (twice: back as they were)."""
+        params = dict(self.trainer.model.named_parameters())
+        for name, stored in self.start_weights.items():
+            self.start_weights[name], params[name].data = params[name].data, stored
+
+    def _log_ratio_sums(self, samples, forward: bool) -> list[float]:
+        """[Σ over rows of log π_θ(y)/π_0(y) (``forward``: log π_0(y)/π_θ(y)), rows] of ``samples`` (none on a
+        process without prompts)."""
+        prompts, completions = samples
+        if not completions:
+            return [0.0, 0]
+        model, was_training = self.trainer.model, self.trainer.model.training
+        temperature = self.sampling["temperature"]
+        model.eval()
+        try:
+            policy, mask = completion_logps(model, prompts, completions, temperature, self.pad_id)
+            self._swap_start_weights()
+            try:
+                start, _ = completion_logps(model, prompts, completions, temperature, self.pad_id)
+            finally:
+                self._swap_start_weights()
+        finally:
+            model.train(was_training)
+        first, second = (start, policy) if forward else (policy, start)
+        return [sequence_log_ratios(first, second, mask).sum().item(), len(completions)]
+
+    def measure(self, step: int) -> dict:
+        """``kl_reverse_start`` and ``kl_forward_start`` now (policy samples seeded ``seed + step``)."""
+        reverse = self._log_ratio_sums(self._sample(self.seed + step), forward=False)
+        forward = self._log_ratio_sums(self.start_samples, forward=True)
+        totals = [sum(values) for values in zip(*_all_gather(reverse + forward))]
+        return {"kl_reverse_start": totals[0] / totals[1], "kl_forward_start": totals[2] / totals[3]}
+
+
+def pass_curve(counts: list, n: int, k: int) -> dict[int, float]:
+    """pass@j of the judged problems for every power of two j <= k (1, 2, 4, ...)."""
+    judged = [c for c in counts if c is not None]
+    return {j: sum(pass_at_k(n, c, j) for c in judged) / len(judged)
+            for j in (2**e for e in range(k.bit_length())) if j <= k}
 
 
 class ValidationCallback(TrainerCallback):
@@ -333,6 +467,15 @@ class ValidationCallback(TrainerCallback):
     Passed in ``callbacks=[...]`` without a trainer it still works, but it runs after the reporting integrations
     (transformers puts them first): the values are then merged into the step's log entry in ``log_history`` and
     reach no reporter (warned once at the start of training when ``report_to`` names one).
+
+    With ``mode_classifier`` (completion text → mode label, e.g. :func:`armor_trl.modes.classify`) each set also
+    logs the share of its sampled completions in each mode, ``val/mode/<mode>`` (``val/<name>/mode/<mode>``).
+
+    Besides ``val/pass@k`` each set logs ``val/pass@j`` for every power of two j <= k (the pass@k curve). With
+    ``kl_prompts`` > 0 (needs the callback attached to a GRPOTrainer) it also logs ``val/kl_reverse_start`` and
+    ``val/kl_forward_start``: the KL between the policy and the model training started from, on the first
+    ``kl_prompts`` prompts of the held-out set (the unnamed set, else the first), ``kl_samples`` completions each
+    (:class:`StartKL`; keeps a copy of the trainable weights).
 
     The evaluation before training (step 0) is kept in ``self.history`` and the JSONL file only. Each record is
     kept in ``self.history`` and appended to ``jsonl_path`` (by the main process) if given.
@@ -360,9 +503,17 @@ class ValidationCallback(TrainerCallback):
         run_name: str | None = None,
         on_evaluate: Callable[[dict], None] | None = None,
         trainer: Trainer | None = None,
+        mode_classifier: Callable[[str], str] | None = None,
+        kl_prompts: int = 0,
+        kl_samples: int = 4,
     ):
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        if kl_prompts < 0 or kl_samples < 1:
+            raise ValueError(f"need kl_prompts >= 0 (0 = off) and kl_samples >= 1, got {kl_prompts}, {kl_samples}.")
+        if kl_prompts and temperature == 0:
+            raise ValueError("kl_prompts > 0 needs sampled validation (temperature > 0): the KL to the start model is "
+                             "estimated from samples.")
         self.eval_dataset, self.verifier, self.every_steps = eval_dataset, verifier, every_steps
         self.eval_sets = eval_dataset if isinstance(eval_dataset, dict) else {None: eval_dataset}
         for name in self.eval_sets:
@@ -371,6 +522,9 @@ class ValidationCallback(TrainerCallback):
         self.k, self.num_samples = k, check_k(k, num_samples)
         self.generation = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size)
         self.seed, self.jsonl_path, self.run_name, self.on_evaluate = seed, jsonl_path, run_name, on_evaluate
+        self.mode_classifier = mode_classifier
+        self.kl_prompts, self.kl_samples = kl_prompts, kl_samples
+        self.start_kl: StartKL | None = None  # built at the start of training
         self.history: list[dict] = []
         self._pending: dict | None = None
         self._logging = False  # inside our own trainer.log call
@@ -399,15 +553,23 @@ class ValidationCallback(TrainerCallback):
             seed = self.seed + state.global_step
             if self.on_every_process:
                 result = evaluate_with_trainer(
-                    self.trainer, dataset, self.verifier, self.k, self.num_samples, seed=seed, **self.generation
+                    self.trainer, dataset, self.verifier, self.k, self.num_samples, seed=seed,
+                    classify=self.mode_classifier, **self.generation
                 )
             else:
                 result = evaluate(
-                    model, tokenizer, dataset, self.verifier, self.k, self.num_samples, seed=seed, **self.generation
+                    model, tokenizer, dataset, self.verifier, self.k, self.num_samples, seed=seed,
+                    classify=self.mode_classifier, **self.generation
                 )
             prefix = "val/" if name is None else f"val/{name}/"
             values[f"{prefix}avg@{self.num_samples}"] = result[f"avg@{self.num_samples}"]
             values[f"{prefix}pass@{self.k}"] = result[f"pass@{self.k}"]
+            for j, value in pass_curve(result["correct_counts"], self.num_samples, self.k).items():
+                values.setdefault(f"{prefix}pass@{j}", value)
+            for mode, share in result.get("mode_shares", {}).items():
+                values[f"{prefix}mode/{mode}"] = share
+        if self.start_kl is not None:  # collective, like validation through the trainer
+            values.update({f"val/{key}": value for key, value in self.start_kl.measure(state.global_step).items()})
         return values
 
     def _record(self, step: int, metrics: dict, logs: dict | None, write: bool = True) -> dict:
@@ -457,10 +619,31 @@ class ValidationCallback(TrainerCallback):
                 f"and the JSONL file but not to report_to={reporters}. Use ValidationCallback(...).attach(trainer) "
                 "(or trainer=...) instead of callbacks=[...] so every reporter gets them."
             )
+        if self.kl_prompts:
+            self._start_kl(args, state)
         if state.global_step == 0 and self.on_every_process:
             self._record(0, self._evaluate(state, model, processing_class), None, write=state.is_world_process_zero)
         elif state.global_step == 0 and state.is_world_process_zero:
             self._record(0, self._evaluate(state, model, processing_class), None)
+
+    def _start_kl(self, args, state) -> None:
+        if not self.on_every_process:
+            raise ValueError("kl_prompts > 0 needs the ValidationCallback attached to a GRPOTrainer "
+                             "(ValidationCallback(...).attach(trainer)): the KL samples use its generation path.")
+        plugin = getattr(args, "deepspeed_plugin", None)
+        if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+            raise ValueError("kl_prompts > 0 does not support DeepSpeed ZeRO-3 (the start model's weights are swapped "
+                             "into the policy, which ZeRO-3 shards). Use ZeRO-2 or DDP, or kl_prompts=0.")
+        dataset = self.eval_sets.get(None, next(iter(self.eval_sets.values())))
+        if self.kl_prompts > len(dataset):
+            raise ValueError(f"kl_prompts ({self.kl_prompts}) exceeds the {len(dataset)} prompts of the held-out set.")
+        if state.global_step > 0 and state.is_world_process_zero:
+            logger.warning(f"Resumed at step {state.global_step}: val/kl_*_start measure the KL to the weights this "
+                           "run resumed from, not to the model the first run started from.")
+        generation = self.generation
+        self.start_kl = StartKL(self.trainer, dataset["prompt"][: self.kl_prompts], self.kl_samples, self.seed,
+                                generation["temperature"], generation["top_p"], generation["max_new_tokens"],
+                                generation["batch_size"])
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         if state.global_step % self.every_steps == 0 or state.global_step == state.max_steps:

@@ -68,3 +68,35 @@ def k3_kl(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
     """
     delta = other_logp - logp
     return torch.exp(delta) - delta - 1.0
+
+
+# --- what the loss's ratio does (metrics) ------------------------------------------------------------------------
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str = "token"):
+    """TRL's importance ratio π_θ/π_old per token, or (``level="sequence"``) the exp of each row's masked mean
+    log-ratio, repeated over its tokens."""
+    log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)
+    if level == "sequence":
+        mean = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = mean.expand_as(log_ratio)
+    return torch.exp(log_ratio)
+
+
+def clip_masks(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float):
+    """The tokens TRL's two-sided clipped surrogate clips, i.e. whose gradient the clip removes: ``low`` where
+    r < 1 − ε_low and A < 0, ``high`` where r > 1 + ε_high and A > 0 (TRL's ``clip_ratio/low_mean``, ``high_mean``).
+    ``advantages``: one per row or one per token."""
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    mask = mask.bool()
+    return (ratio < 1 - eps_low) & (advantages < 0) & mask, (ratio > 1 + eps_high) & (advantages > 0) & mask
+
+
+# --- KL between two models over completions (validation) --------------------------------------------------------
+def sequence_log_ratios(logp: torch.Tensor, other_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ_t (log p − log q) over each row's completion tokens: log p(y)/q(y) of the whole completion y."""
+    return torch.where(mask.bool(), logp - other_logp, 0.0).sum(-1)
+
+
+def kl_estimate(logp: torch.Tensor, other_logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Monte-Carlo estimate of KL(p‖q) over completions from rows sampled from p: the mean of log p(y)/q(y).
+    Unbiased; single samples can be negative. Swap the models (and sample from q) for the other direction."""
+    return sequence_log_ratios(logp, other_logp, mask).mean().item()

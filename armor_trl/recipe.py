@@ -45,6 +45,10 @@ class DataArguments:
         default=None, metadata={"help": "dataset 'arithmetic': restrict the training problems only; 'no_carry' = "
                                 "no column carries (a shortcut the held-out set punishes)."},
     )
+    arithmetic_eval_filter: str | None = field(
+        default=None, metadata={"help": "dataset 'arithmetic': restrict the held-out problems only; 'carry' = some "
+                                "column carries (the mode testbed's held-out set). Default: unrestricted."},
+    )
 
 
 @dataclass
@@ -58,7 +62,7 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["math_verify"],
-        metadata={"help": "Reward functions: built-in names (math_verify, exact_integer, format), TRL's reward names "
+        metadata={"help": "Reward functions: built-in names (math_verify, exact_integer, final_integer, format), TRL's reward names "
                   "(accuracy_reward, think_format_reward, reasoning_accuracy_reward, ...) or import paths "
                   "'pkg.mod:func'. Weights: the config's reward_weights."},
     )
@@ -70,7 +74,8 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
         default=None,
         metadata={"help": "More validation sets, each 'source' or 'name=source' (registry name, hub id or local file, "
                   "its default split), logged as val/<name>/avg@n; prompts are written like the training data's "
-                  "(chat, system_prompt, instruction). E.g. aime24 aime25."},
+                  "(chat, system_prompt, instruction). E.g. aime24 aime25; 'train=arithmetic:train' = the arithmetic "
+                  "task's training problems (first max_eval_samples)."},
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N training rows."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N held-out rows."})
@@ -92,6 +97,21 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
     val_max_new_tokens: int | None = field(default=None, metadata={"help": "Default: max_completion_length."})
     val_batch_size: int = field(default=64, metadata={"help": "Sequences per generate call in validation."})
     val_jsonl: str | None = field(default=None, metadata={"help": "Default: <output_dir>/val_metrics.jsonl."})
+    val_kl_prompts: int = field(
+        default=0,
+        metadata={"help": "Log val/kl_reverse_start (on policy samples) and val/kl_forward_start (on samples of the "
+                  "start model drawn once): KL between the policy and the model training started from, on the first "
+                  "N held-out prompts at every validation, for any method (0 = off). Keeps a copy of the trainable "
+                  "weights (the whole model in a full fine-tune, the adapter with LoRA) in device memory; not with "
+                  "ZeRO-3. Uses validation's temperature (> 0)."},
+    )
+    val_kl_samples: int = field(default=4, metadata={"help": "Completions per prompt for val_kl_prompts."})
+    val_mode_classifier: str | None = field(
+        default=None,
+        metadata={"help": "Log each validation set's share of sampled completions per solution mode, val/mode/<mode> "
+                  "(val/<name>/mode/<mode>): a registered classifier ('arithmetic': the mode testbed's worked/direct/"
+                  "other, armor_trl.modes) or an import path 'pkg.mod:func' (completion text -> mode label)."},
+    )
     dry_run: bool = field(default=False, metadata={"help": "Validate the recipe and exit without loading weights."})
     anchors_dataset: str | None = field(
         default=None,
@@ -578,6 +598,10 @@ def resolve_resume_from_checkpoint(value, output_dir: str) -> bool | str | None:
 
 
 # --- building a run --------------------------------------------------------------------------------------------
+# A val_datasets source: the arithmetic task's training problems (to watch them next to the held-out ones).
+ARITHMETIC_TRAIN = "arithmetic:train"
+
+
 def load_datasets(args: DataArguments, train_source: str | None, eval_source: str | None, train_split: str,
                   eval_split: str | None, name: str | None = None, max_train: int | None = None,
                   max_eval: int | None = None):
@@ -587,11 +611,12 @@ def load_datasets(args: DataArguments, train_source: str | None, eval_source: st
     def load(source, split, limit):
         if source is None:
             return None
-        if source == "arithmetic":
+        if source in ("arithmetic", ARITHMETIC_TRAIN):
             train, held_out = arithmetic_splits(args.arithmetic_train_size, args.arithmetic_eval_size,
                                                 args.arithmetic_seed, args.arithmetic_digits, args.chat,
-                                                args.system_prompt, args.arithmetic_train_filter)
-            dataset = train if split == "train" else held_out
+                                                args.system_prompt, args.arithmetic_train_filter,
+                                                args.arithmetic_eval_filter)
+            dataset = train if split == "train" or source == ARITHMETIC_TRAIN else held_out
             return dataset.select(range(min(limit, len(dataset)))) if limit else dataset
         return load_rlvr_dataset(source, split=split, name=name, schema=args.dataset_schema, chat=args.chat,
                                  system_prompt=args.system_prompt, instruction=args.instruction, limit=limit)
@@ -703,6 +728,7 @@ def validation_sets(script_args: TrainScriptArguments, held_out):
 
 def validation_callback(script_args, training_args, eval_dataset, verifier, run_name=None, on_evaluate=None):
     from .evaluation import ValidationCallback
+    from .modes import resolve_classifier
 
     return ValidationCallback(
         eval_dataset,
@@ -718,6 +744,10 @@ def validation_callback(script_args, training_args, eval_dataset, verifier, run_
         jsonl_path=script_args.val_jsonl or os.path.join(training_args.output_dir, "val_metrics.jsonl"),
         run_name=run_name,
         on_evaluate=on_evaluate,
+        mode_classifier=resolve_classifier(script_args.val_mode_classifier) if script_args.val_mode_classifier
+        else None,
+        kl_prompts=script_args.val_kl_prompts,
+        kl_samples=script_args.val_kl_samples,
     )
 
 

@@ -622,6 +622,26 @@ def exact_integer_reward(completions: Sequence, answer=None, **kwargs) -> list[f
     return rewards
 
 
+def final_integer_reward(completions: Sequence, answer=None, **kwargs) -> list[float | None]:
+    """1.0 when the text after the completion's last ``#`` (whitespace aside) is exactly the integer ground truth,
+    else 0.0 (also without a ``#``).
+
+    The verifier of the mode testbed (:mod:`armor_trl.modes`): a worked ``"5+7=12,2+0+1=3,1+3=4#432"`` and a direct
+    ``"#432"`` are judged by their final answer alone. ``None`` where the ground truth is missing or not an integer;
+    integers compared as digit strings, as :func:`exact_integer_reward` does.
+    """
+    rewards: list[float | None] = []
+    for completion, gold in zip(completions, _gold_answers(len(completions), answer, None, "final_integer")):
+        expected = _integer_digits(gold) if gold is not None else None
+        if expected is None:
+            rewards.append(None)
+            continue
+        text = completion_text(completion)
+        mark = text.rfind("#")
+        rewards.append(float(mark != -1 and _integer_digits(text[mark + 1:]) == expected))
+    return rewards
+
+
 def _integer_digits(text: str) -> tuple[str, str] | None:
     """(sign, digits) of an integer written as ``text`` (whitespace around it aside), with leading zeros and the
     sign of zero dropped and any Unicode decimal digits written as ASCII; None if ``text`` is not an integer."""
@@ -660,11 +680,13 @@ _GSM8K_MARK = re.compile(r"^####\s*\S", re.MULTILINE)  # each "####" scans only 
 
 math_verify_reward.__name__ = "math_verify"
 exact_integer_reward.__name__ = "exact_integer"
+final_integer_reward.__name__ = "final_integer"
 boxed_format_reward.__name__ = "format"
 
 REWARD_FUNCS: dict[str, RewardFunc] = {
     "math_verify": math_verify_reward,
     "exact_integer": exact_integer_reward,
+    "final_integer": final_integer_reward,
     "format": boxed_format_reward,
 }
 # trl.rewards names that are factories: they need parameters, so a recipe cannot name them directly.

@@ -136,6 +136,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self.armor_state.register("schedule", lambda: {"armor_started_at": self.armor_started_at},
                                   lambda state: setattr(self, "armor_started_at", state["armor_started_at"]))
         self.armor_metrics = ArmorMetrics(self)
+        if self.accelerator.is_main_process:  # a warning where ARMOR's trust region cannot act, else for the record
+            on_policy = checks.optimizer_steps_per_rollout(args) <= 1
+            (logger.warning if on_policy and args.armor_enabled and args.use_mixed_ratio else logger.info)(
+                checks.describe_update_regime(args))
         self.dynamic_sampling = DynamicSampling(self, train_dataset) if args.dynamic_sampling else None
         self.collapse_guard = CollapseGuard(self) if args.collapse_guard else None
         for part in (self.dynamic_sampling, self.collapse_guard):
@@ -257,7 +261,11 @@ class ArmorGRPOTrainer(GRPOTrainer):
     def _add_armor_fields(self, output: dict, anchors: AnchorRound | None) -> dict:
         """π_ref's log-probs of every row, the anchor flag, and the masks of ``anchor_filter``."""
         args = self.args
-        if args.use_mixed_ratio or args.off_policy_ratio:
+        same_call = anchors is not None and self.anchor_rollout.same_call_round
+        if (args.use_mixed_ratio or args.off_policy_ratio) and same_call and "old_per_token_logps" in output:
+            # π_ref holds the weights that generated this round: its log-probs are the old policy's, already computed
+            output["armor_ref_logps"] = output["old_per_token_logps"]
+        elif args.use_mixed_ratio or args.off_policy_ratio:
             model = self.reference.model if self.reference.kind == "full" else self.model
             with self.reference.active(self.unwrapped_policy()):
                 output["armor_ref_logps"] = self._completion_logps(model, output)
@@ -306,15 +314,17 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return seam.replaced_loss_logps(self, logps, entropies), entropies, aux_loss
 
     def _compute_loss(self, model, inputs):
-        ref_logps = inputs.get("armor_ref_logps")
-        if ref_logps is None or not self.args.use_mixed_ratio or not self.model.training:
+        if not self.model.training:
             return super()._compute_loss(model, inputs)
-        alpha = self.armor_alpha
-        inputs, mixed_old = self._mixed_old_inputs(inputs, ref_logps, alpha)
-        with seam.loss_logps_replaced(self, lambda logps: mixed_logprobs(logps, ref_logps, alpha)) as policy:
-            loss = super()._compute_loss(model, inputs)
-        self.armor_metrics.mixed_ratio(inputs, policy["logps"].detach(), policy["entropies"], ref_logps, mixed_old,
-                                       alpha, self.epsilon_low, self.epsilon_high)
+        ref_logps = inputs.get("armor_ref_logps") if self.args.use_mixed_ratio else None
+        alpha, replace, loss_inputs = self.armor_alpha, (lambda logps: logps), inputs  # identity: plain ratio
+        if ref_logps is not None:
+            loss_inputs = self._mixed_old_inputs(inputs, ref_logps, alpha)[0]
+            replace = lambda logps: mixed_logprobs(logps, ref_logps, alpha)  # noqa: E731
+        with seam.loss_logps_replaced(self, replace) as policy:  # also keeps the loss's log-probs for the metrics
+            loss = super()._compute_loss(model, loss_inputs)
+        self.armor_metrics.loss_ratios(inputs, policy["logps"].detach(), policy["entropies"], ref_logps, alpha,
+                                       self.epsilon_low, self.epsilon_high, self.importance_sampling_level)
         return loss
 
     def _mixed_old_inputs(self, inputs: dict, ref_logps: torch.Tensor, alpha: float):

@@ -35,7 +35,7 @@ def two_prompts():
 def test_cached_prompts_sample_no_new_candidates(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path, reward_funcs=digit_share_reward,
-        anchor_reward_threshold=0.01, anchor_cache=True, max_steps=4, num_generations=4, per_device_train_batch_size=8,
+        anchor_reward_threshold=0.01, anchor_cache=True, anchor_same_call=False, max_steps=4, num_generations=4, per_device_train_batch_size=8,
     )
     rows = count_reference_rows(monkeypatch, trainer)
     trainer.train()
@@ -48,7 +48,7 @@ def test_cached_prompts_sample_no_new_candidates(tiny_model_path, tiny_tokenizer
 def test_a_reset_invalidates_the_cache(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path, reward_funcs=digit_share_reward,
-        anchor_reward_threshold=0.01, anchor_cache=True, ref_reset_steps=1, max_steps=3,
+        anchor_reward_threshold=0.01, anchor_cache=True, anchor_same_call=False, ref_reset_steps=1, max_steps=3,
     )
     rows = count_reference_rows(monkeypatch, trainer)
     trainer.train()
@@ -132,7 +132,7 @@ def test_trainer_keeps_and_rotates_several_anchors(tiny_model_path, tiny_tokeniz
 
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path, reward_funcs=digit_share_reward,
-        anchor_reward_threshold=0.01, anchor_cache=True, anchor_cache_per_prompt=2, max_steps=5,
+        anchor_reward_threshold=0.01, anchor_cache=True, anchor_cache_per_prompt=2, max_steps=5, anchor_same_call=False,
     )
     rows = count_reference_rows(monkeypatch, trainer)
     rounds = capture_rounds(trainer)

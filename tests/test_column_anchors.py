@@ -125,7 +125,7 @@ def test_unverified_and_empty_anchors_count_as_missing(tiny_model_path, tiny_tok
 def test_after_a_reset_anchors_are_sampled_online(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
     dataset = column_dataset(["1+2=", "3+4="] * 8, [["3"], ["7"]] * 8)
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, anchor_source="column",
-                           ref_reset_steps=1, max_steps=3)
+                           ref_reset_steps=1, max_steps=3, anchor_same_call=False)
     calls = count_reference_rows(monkeypatch, trainer)
     trainer.train()
     assert calls == [2 * 4, 2 * 4]  # step 1 from the column; steps 2 and 3 after resets: K candidates per group

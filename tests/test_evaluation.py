@@ -15,7 +15,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import trl_seam
 from armor_trl.evaluation import (
-    NothingJudgedError, ValidationCallback, evaluate, evaluate_with_trainer, pass_at_k, sample_completions, shard,
+    NothingJudgedError, ValidationCallback, completion_logps, evaluate, evaluate_with_trainer, pass_at_k, pass_curve,
+    sample_completions, shard,
 )
 from armor_trl.rewards import exact_integer_reward
 from testing import cpu_args, has_digit_reward
@@ -214,7 +215,8 @@ def test_several_validation_sets_are_logged_under_their_names(tiny_model_path, p
     trainer.train()
     entry = next(e for e in trainer.state.log_history if any(k.startswith("val/") for k in e))
     keys = {k for k in entry if k.startswith("val/")}
-    assert keys == {f"val/{name}/{what}" for name in sets for what in ("avg@2", "pass@2", "reward_gap")}
+    # pass@1 too: the pass@k curve at every power of two up to k
+    assert keys == {f"val/{name}/{what}" for name in sets for what in ("avg@2", "pass@1", "pass@2", "reward_gap")}
     reward = next(e["reward"] for e in trainer.state.log_history if "reward" in e)
     for name in sets:
         assert entry[f"val/{name}/reward_gap"] == pytest.approx(reward - entry[f"val/{name}/avg@2"])
@@ -334,3 +336,122 @@ def test_attached_callback_validates_through_the_trainer(tiny_model_path, prompt
     assert calls == [2] * 6  # steps 0 and 1, one problem x 2 samples per call
     assert [r["step"] for r in callback.history] == [0, 1]
     assert any("val/avg@2" in e for e in trainer.state.log_history)
+
+
+class ModeScriptedModel(torch.nn.Module):
+    """A 'model' whose generate writes problem p's samples from the list TEXTS[p] (cycled)."""
+
+    def __init__(self, tokenizer, texts: dict[str, list[str]]):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.tokenizer, self.texts = tokenizer, texts
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, num_return_sequences, **kwargs):
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            prompt = self.tokenizer.decode([t for t, m in zip(ids, mask) if m])
+            for sample in range(num_return_sequences):
+                text = self.texts[prompt][sample % len(self.texts[prompt])]
+                completion = self.tokenizer(text)["input_ids"] + [self.tokenizer.eos_token_id]
+                rows.append(ids + completion + [self.tokenizer.pad_token_id] * (max_new_tokens - len(completion)))
+        return torch.tensor(rows)
+
+
+def test_validation_logs_each_modes_share_of_the_sampled_completions(tiny_tokenizer):
+    from armor_trl.modes import classify
+    from armor_trl.rewards import final_integer_reward
+
+    texts = {"12+35=": ["2+5=7,1+3=4#47", "#47", "#47", "47"], "18+35=": ["8+5=13,1+3+1=5#53"] * 3 + ["#43"],
+             "40+2=": ["#42", "#42", "0+2=2,4+0=4#42", "0+2=2,4+0=4#"]}
+    dataset = Dataset.from_dict({"prompt": list(texts), "answer": ["47", "53", "42"]})
+    sets = {"held": dataset, "first": dataset.select([0])}
+    callback = ValidationCallback(sets, final_integer_reward, every_steps=1, k=2, num_samples=4, max_new_tokens=20,
+                                  mode_classifier=classify)
+    values = callback._evaluate(SimpleNamespace(global_step=0), ModeScriptedModel(tiny_tokenizer, texts),
+                                tiny_tokenizer)
+    everything = [classify(t) for samples in texts.values() for t in samples]
+    for mode in ("worked", "direct", "other"):  # the share is the direct count over all 12 samples
+        assert values[f"val/held/mode/{mode}"] == pytest.approx(everything.count(mode) / 12)
+        assert values[f"val/first/mode/{mode}"] == pytest.approx([classify(t) for t in texts["12+35="]].count(mode) / 4)
+    assert values["val/held/avg@4"] == pytest.approx((3 + 3 + 3) / 12)
+    plain = ValidationCallback(sets, final_integer_reward, every_steps=1, k=2, num_samples=4, max_new_tokens=20)
+    assert not any("/mode/" in key for key in plain._evaluate(
+        SimpleNamespace(global_step=0), ModeScriptedModel(tiny_tokenizer, texts), tiny_tokenizer))
+
+
+def test_mode_shares_through_the_trainers_generation_path(tiny_model_path, prompt_dataset, tmp_path):
+    seen = []
+
+    def first_character(text):  # records what it is shown: the shares must be the counts of these
+        seen.append(text)
+        return text[:1] or "empty"
+
+    trainer = _grpo_trainer(tiny_model_path, prompt_dataset, tmp_path)
+    result = evaluate_with_trainer(trainer, prompt_dataset.select(range(5)), has_digit_reward, k=2, num_samples=3,
+                                   max_new_tokens=3, batch_size=6, seed=1, classify=first_character)
+    assert len(seen) == 15 and sum(result["mode_shares"].values()) == pytest.approx(1.0)
+    assert result["mode_shares"] == {label: pytest.approx(sum(t[:1] == label or (not t and label == "empty")
+                                                              for t in seen) / 15) for label in set(result["mode_shares"])}
+
+
+# --- the pass@k curve and the KL to the start model ---------------------------------------------------------------
+def test_pass_curve_has_every_power_of_two_up_to_k():
+    counts = [0, 3, 16, None, 9]  # None: not judged, left out
+    curve = pass_curve(counts, 16, 16)
+    assert list(curve) == [1, 2, 4, 8, 16]
+    for k, value in curve.items():
+        assert value == sum(pass_at_k(16, c, k) for c in (0, 3, 16, 9)) / 4
+    assert list(pass_curve(counts, 16, 6)) == [1, 2, 4]
+
+
+def test_completion_logps_do_not_depend_on_padding(tiny_model_path, tiny_tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    prompts = [tiny_tokenizer("12+3=")["input_ids"], tiny_tokenizer("7=")["input_ids"]]
+    completions = [[5, 6, 7], [8]]
+    batched, mask = completion_logps(model, prompts, completions, 0.7, tiny_tokenizer.pad_token_id)
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / 0.7
+        direct = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        torch.testing.assert_close(batched[row, : len(completion)], direct, rtol=1e-5, atol=1e-5)
+
+
+def _train_with_kl(tiny_model_path, prompt_dataset, tmp_path, kl_prompts):
+    callback = ValidationCallback(prompt_dataset.select(range(8)), has_digit_reward, every_steps=1, k=4, num_samples=4,
+                                  max_new_tokens=4, temperature=1.0, kl_prompts=kl_prompts, kl_samples=4)
+    args = GRPOConfig(output_dir=str(tmp_path / f"kl{kl_prompts}"), **cpu_args(max_steps=2, learning_rate=0.05))
+    trainer = GRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=args,
+                          train_dataset=prompt_dataset)
+    callback.attach(trainer)
+    trainer.train()
+    return trainer, callback
+
+
+def test_kl_to_the_start_model_is_zero_at_the_start_and_positive_once_the_policy_moved(
+    tiny_model_path, prompt_dataset, tmp_path
+):
+    trainer, callback = _train_with_kl(tiny_model_path, prompt_dataset, tmp_path, kl_prompts=3)
+    start, *later = callback.history
+    # step 0: the policy is the start model, same weights and (same seed) same samples: exactly zero
+    assert start["val/kl_reverse_start"] == 0.0 and start["val/kl_forward_start"] == 0.0
+    assert later[-1]["val/kl_reverse_start"] > 0 and later[-1]["val/kl_forward_start"] > 0
+    for record in callback.history:
+        assert [key for key in record if key.startswith("val/pass@")] == ["val/pass@4", "val/pass@1", "val/pass@2"]
+        assert record["val/pass@1"] == pytest.approx(record["val/avg@4"])  # pass@1 is the mean accuracy
+    # measuring only observes: training and validation are as without it
+    plain, plain_callback = _train_with_kl(tiny_model_path, prompt_dataset, tmp_path, kl_prompts=0)
+    assert [e.get("loss") for e in trainer.state.log_history] == [e.get("loss") for e in plain.state.log_history]
+    assert [{k: v for k, v in r.items() if "kl_" not in k} for r in callback.history] == plain_callback.history
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), plain.model.parameters()))
+
+
+def test_kl_needs_sampling_and_the_trainer(prompt_dataset):
+    with pytest.raises(ValueError, match="temperature > 0"):
+        ValidationCallback(prompt_dataset, has_digit_reward, every_steps=1, temperature=0.0, kl_prompts=2)
+    with pytest.raises(ValueError, match="kl_prompts >= 0"):
+        ValidationCallback(prompt_dataset, has_digit_reward, every_steps=1, kl_prompts=-1)
+    callback = ValidationCallback(prompt_dataset, has_digit_reward, every_steps=1, kl_prompts=2)
+    with pytest.raises(ValueError, match="attached to a GRPOTrainer"):
+        callback.on_train_begin(SimpleNamespace(report_to=[]), SimpleNamespace(global_step=0), None)

@@ -1,12 +1,13 @@
-"""The math of Mixed Optimization against the formulas of ARMOR.md."""
+"""The math of Mixed Optimization against the formulas of ARMOR.md, and the KL estimators used in validation."""
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from armor_trl import mixed_logprobs, mixed_ratio, trust_region_bounds
-from armor_trl.mixture import default_alpha, k3_kl
+from armor_trl.mixture import default_alpha, k3_kl, kl_estimate, sequence_log_ratios
 
 
 def direct_mixture(logp, ref_logp, alpha):
@@ -115,3 +116,40 @@ def test_public_names_are_the_functions_whatever_was_imported_first():
 
     assert callable(armor_trl.mixed_ratio) and callable(armor_trl.mixed_logprobs)
     assert armor_trl.mixed_ratio is armor_trl.mixture.mixed_ratio
+
+
+# --- KL over completions: two scripted "models" emitting 2 tokens, each from its own categorical per position ----
+P = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]])  # p(token | position)
+Q = torch.tensor([[0.3, 0.3, 0.4], [0.25, 0.25, 0.5]])
+
+
+def token_logps(model, completions):
+    """Per-token log-probs of each completion (rows of token ids) under a scripted model."""
+    return torch.stack([model[t].log()[completions[:, t]] for t in range(completions.size(1))], dim=1)
+
+
+def exact_kl(a, b):
+    return (a * (a / b).log()).sum().item()  # tokens are independent: the sequence KL is the sum over positions
+
+
+def test_kl_estimators_equal_the_exact_kl_when_enumerating_every_completion():
+    completions = torch.tensor(list(itertools.product(range(3), repeat=2)))
+    weights = token_logps(P, completions).sum(1).exp()  # p(y) of each of the 9 completions
+    mask = torch.ones_like(completions)
+    log_ratio = sequence_log_ratios(token_logps(P, completions), token_logps(Q, completions), mask)
+    assert math.isclose((weights * log_ratio).sum().item(), exact_kl(P, Q), rel_tol=1e-5)  # reverse-type: on p
+    q_weights = token_logps(Q, completions).sum(1).exp()
+    reverse_direction = sequence_log_ratios(token_logps(Q, completions), token_logps(P, completions), mask)
+    assert math.isclose((q_weights * reverse_direction).sum().item(), exact_kl(Q, P), rel_tol=1e-5)
+
+
+def test_kl_estimate_from_samples_converges_and_ignores_masked_tokens():
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.stack([torch.multinomial(P[t], 20000, replacement=True, generator=generator) for t in range(2)], 1)
+    estimate = kl_estimate(token_logps(P, samples), token_logps(Q, samples), torch.ones_like(samples))
+    assert abs(estimate - exact_kl(P, Q)) < 0.02  # standard error here is about 0.005
+    # a third, masked position (padding) holding anything, even -inf, leaves the estimate as it was
+    padded = torch.cat([token_logps(P, samples), torch.full((20000, 1), -math.inf)], 1)
+    other = torch.cat([token_logps(Q, samples), torch.zeros(20000, 1)], 1)
+    mask = torch.cat([torch.ones_like(samples), torch.zeros(20000, 1, dtype=samples.dtype)], 1)
+    assert kl_estimate(padded, other, mask) == estimate

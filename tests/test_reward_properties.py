@@ -29,6 +29,7 @@ from armor_trl.rewards import (  # noqa: E402
     boxed_format_reward,
     configure_verifier,
     exact_integer_reward,
+    final_integer_reward,
     gold_answer,
     math_verify_reward,
 )
@@ -111,7 +112,23 @@ def timed(function, *args, **kwargs):
 # --- the properties ----------------------------------------------------------------------------------------------
 def test_every_shipped_reward_function_is_covered():
     """A reward function added to REWARD_FUNCS must get its property test here too."""
-    assert set(REWARD_FUNCS) == {"math_verify", "exact_integer", "format"}
+    assert set(REWARD_FUNCS) == {"math_verify", "exact_integer", "final_integer", "format"}
+
+
+@IN_PROCESS
+@given(batch)
+def test_final_integer_is_total_and_linear(completions_and_golds):
+    completions, golds = completions_and_golds
+    values, seconds = timed(final_integer_reward, completions, answer=golds)
+    check_rewards(values, golds)
+    assert seconds < IN_PROCESS_BOUND
+
+
+@IN_PROCESS
+@given(digits, st.text(alphabet="0123456789+=,#", max_size=30))
+def test_final_integer_reads_only_the_text_after_the_last_hash(number, worked):
+    """Whatever comes before the last '#' (worked steps, other '#'s) does not change the verdict."""
+    assert final_integer_reward([f"{worked}#{number}", f"{worked}#{number}#"], answer=[number, number]) == [1.0, 0.0]
 
 
 @IN_PROCESS

@@ -104,7 +104,7 @@ def test_format_reward():
 
 
 def test_registry_and_names_for_trl_metrics():
-    assert set(REWARD_FUNCS) == {"math_verify", "exact_integer", "format"}
+    assert set(REWARD_FUNCS) == {"math_verify", "exact_integer", "final_integer", "format"}
     for name, function in REWARD_FUNCS.items():
         assert resolve_reward(name) is function
         assert function.__name__ == name  # TRL logs rewards/<__name__>/mean

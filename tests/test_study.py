@@ -221,3 +221,171 @@ def test_unknown_arm_is_a_clear_error(tmp_path, capsys):
     assert main(["study", "--smoke", "--arms", "grpo,armr", "--out", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert "armr" in err and "known arms" in err
+
+
+# --- several warm checkpoints, primary comparisons, arms chosen on tuning seeds -----------------------------------
+def _finals(out, arm, warm, seeds=(0, 1)):
+    return [read_curves(out / "metrics" / f"{arm}-warm{warm}-seed{s}.jsonl")["val"][-1][1] for s in seeds]
+
+
+def test_smoke_study_over_warm_checkpoints_names_files_resumes_and_reports_per_warm(tmp_path):
+    import os
+    import subprocess
+
+    from armor_trl.experiments.runner import read_recipe, smoke_version, warm_start
+
+    out = tmp_path / "study" / "warm"
+    assert _study(out, "--warmup_seeds", "0,1", "--primary", "armor:grpo") == 0
+    names = sorted(f"{arm}-warm{w}-seed{s}.jsonl" for arm in ("grpo", "armor") for w in (0, 1) for s in (0, 1))
+    assert sorted(p.name for p in (out / "metrics").iterdir()) == names
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["warmup_seeds"] == [0, 1] and summary["runs_executed"] == 8 and summary["seeds"] == [0, 1]
+    assert [w["seed"] for w in summary["warmups"]] == [0, 1]
+    assert all(w["steps"] > 0 and "calibration_avg@4" in w for w in summary["warmups"])
+    models = summary["model"]
+    assert models["0"] != models["1"] and [w["model"] for w in summary["warmups"]] == [models["0"], models["1"]]
+    # warm-up seed 0 is the recipe's own: the very checkpoint (cache key, folder) a one-warm study uses
+    _, recipe = read_recipe(REPO / "configs" / "tiny_demo.yaml")
+    settings, overrides = smoke_version(recipe)
+    assert warm_start({**recipe, **overrides}, settings, out.parent / "cache")[0] == models["0"]
+    first = json.loads((out / "metrics" / "armor-warm1-seed0.jsonl").read_text().splitlines()[0])
+    assert (first["warmup_seed"], first["seed"], first["run"]) == (1, 0, "armor-warm1-seed0")
+
+    # pairs share warm checkpoint and seed; per-warm tables follow each warm checkpoint's own files
+    final = summary["comparisons"]["grpo"]["armor"]["metrics"]["final"]
+    for w in (0, 1):
+        direct = [a - b for a, b in zip(_finals(out, "armor", w), _finals(out, "grpo", w))]
+        assert final["diffs"][str(w)] == pytest.approx(direct)
+        assert summary["per_warm"][str(w)]["table"]["armor"]["final"]["mean"] == pytest.approx(
+            statistics.fmean(_finals(out, "armor", w)))
+    assert final["n"] == 4 and "sign_holds_on_every_warm" in final and "per_warm" in final
+    assert summary["means"]["armor"]["final"]["mean"] == pytest.approx(statistics.fmean(
+        statistics.fmean(_finals(out, "armor", w)) for w in (0, 1)))
+    assert [(p["arm"], p["baseline"], list(p["metrics"])) for p in summary["primary"]] == [
+        ("armor", "grpo", list(stats.PRIMARY))]
+    text = (out / "summary.md").read_text()
+    for part in ("× warm-up seeds [0, 1] × seeds [0, 1]", "## Warm checkpoint 1 (warm-up seed 1)",
+                 "## Primary comparisons", "hierarchical percentile bootstrap", "sign on every warm", "Machine: "):
+        assert part in text
+
+    # the machine and the code the numbers came from
+    assert summary["machine"]["cpu_model"] and summary["machine"]["cpu_cores"] == os.cpu_count()
+    assert summary["machine"]["torch_threads_per_run"] == 1
+    assert len(summary["runs"]) == 8 and all(r["wall_time_s"] > 0 for r in summary["runs"])
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert summary["git"]["commit"] == head.stdout.strip()
+
+    # resume: only the deleted run is trained again
+    kept = {n: (out / "metrics" / n).stat().st_mtime_ns for n in names if n != "armor-warm1-seed1.jsonl"}
+    (out / "metrics" / "armor-warm1-seed1.jsonl").unlink()
+    assert _study(out, "--warmup_seeds", "0,1") == 0
+    assert json.loads((out / "summary.json").read_text())["runs_executed"] == 1
+    assert {n: (out / "metrics" / n).stat().st_mtime_ns for n in kept} == kept
+
+
+def test_study_folder_takes_more_warm_checkpoints_but_not_other_ones(tmp_path):
+    plan = {"recipe": {"x": 1}, "smoke_overrides": {}, "arms": {"grpo": {}}}
+    study.check_study_folder(tmp_path, {**plan, "model": {"warm0": "a", "warm1": "b"}})
+    study.check_study_folder(tmp_path, {**plan, "model": {"warm0": "a", "warm2": "c"}})
+    assert json.loads((tmp_path / "study.json").read_text())["model"] == {"warm0": "a", "warm1": "b", "warm2": "c"}
+    with pytest.raises(ValueError, match="different model"):
+        study.check_study_folder(tmp_path, {**plan, "model": {"warm1": "other"}})
+    with pytest.raises(ValueError, match="different model"):  # one warm checkpoint: other file names, other folder
+        study.check_study_folder(tmp_path, {**plan, "model": "a"})
+
+
+def _write_run(path, values):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": 10 * i, "val/avg@4": v}) + "\n" for i, v in enumerate(values)))
+
+
+def test_select_best_takes_the_best_mean_over_warm_checkpoints_and_tuning_seeds(tmp_path):
+    finals = {("a", 0): [0.5, 0.3], ("a", 1): [0.4, 0.4], ("b", 0): [0.6, 0.6], ("b", 1): [0.2, 0.4],
+              ("c", 0): [0.2, 0.2], ("c", 1): [0.2, 0.2], ("d", 0): [0.5, 0.3], ("d", 1): [0.4, 0.4]}
+    for (arm, warm), values in finals.items():
+        for seed, value in zip((10, 11), values):
+            _write_run(study.metrics_path(tmp_path, arm, seed, warm), [0.3, value])
+    pick = lambda among, seeds: study.select_best(tmp_path, {"among": among, "metric": "final"}, seeds, [0, 1],  # noqa: E731
+                                                  lambda w: w)
+    choice = pick(["c", "a", "b"], [10, 11])  # means of the warm means: a 0.4, b (0.6 + 0.3) / 2 = 0.45, c 0.2
+    assert choice["chosen"] == "b" and choice["tuning_seeds"] == [10, 11] and choice["metric"] == "final"
+    assert {arm: score["mean"] for arm, score in choice["scores"].items()} == pytest.approx(
+        {"c": 0.2, "a": 0.4, "b": 0.45})
+    assert choice["scores"]["b"]["per_warm"] == pytest.approx({0: 0.6, 1: 0.3})
+    assert pick(["a", "b"], [10])["chosen"] == "a"  # only the tuning seeds count: on seed 10, a 0.45, b 0.4
+    assert pick(["d", "a"], [10, 11])["chosen"] == "d"  # a tie: the first listed
+
+
+def test_smoke_study_chooses_an_arm_on_tuning_seeds_and_reports_it_under_its_alias(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"base: {REPO / 'configs' / 'tiny_demo.yaml'}\n"
+                      "study: {select: {grpo_best: [grpo, grpo_small_lr]}, tuning_seeds: [10],\n"
+                      "        primary: [[armor, grpo_best]]}\n")
+    out = tmp_path / "study" / "select"
+    assert main(["study", "--config", str(recipe), "--smoke", "--arms", "grpo_best,armor", "--seeds", "1",
+                 "--workers", "1", "--resamples", "200", "--output_dir", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    chosen = summary["selection"]["grpo_best"]["chosen"]  # files are named by the arm that ran, reports by the alias
+    assert sorted(p.name for p in (out / "metrics").iterdir()) == sorted(
+        {"grpo-seed10.jsonl", "grpo_small_lr-seed10.jsonl", "armor-seed0.jsonl", f"{chosen}-seed0.jsonl"})
+    choice = summary["selection"]["grpo_best"]
+    assert choice["among"] == ["grpo", "grpo_small_lr"] and choice["tuning_seeds"] == [10]
+    finals = {arm: read_curves(out / "metrics" / f"{arm}-seed10.jsonl")["val"][-1][1] for arm in choice["among"]}
+    assert choice["chosen"] == max(choice["among"], key=finals.get)
+    assert list(summary["table"]) == ["grpo_best", "armor"] and summary["runs_executed"] == 4
+    assert [r["tuning"] for r in summary["runs"]] == [True, True, False, False]
+    assert summary["primary"][0]["baseline"] == "grpo_best"
+    assert "`grpo_best` = `" in (out / "summary.md").read_text()
+
+
+def test_seed_sets_aliases_and_comparisons_are_checked_before_training(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"base: {REPO / 'configs' / 'tiny_demo.yaml'}\n"
+                      "study: {select: {kl_best: [grpo_kl_0.01, grpo_kl_0.1]}, tuning_seeds: [1, 5]}\n")
+    cases = [
+        (["--config", str(recipe), "--arms", "kl_best,armor", "--seeds", "3"], "Tuning seeds [1] are also reporting"),
+        (["--config", str(recipe), "--arms", "kl_best", "--tuning_seeds", "0,9"], "Tuning seeds [0]"),
+        (["--arms", "grpo,armor", "--primary", "armor:grpo_kl_0.1"], "not among this study's arms"),
+        (["--arms", "grpo,armor", "--primary", "armor"], "two different arms"),
+        (["--arms", "grpo", "--warmup_seeds", "0,x"], "--warmup_seeds"),
+        (["--arms", "grpo", "--warmup_seeds", "1,1"], "repeats a seed"),
+        (["--arms", "grpo", "--config", str(REPO / "configs" / "lora_gsm8k_single_gpu.yaml"), "--warmup_seeds", "0,1"],
+         "trains model_name_or_path"),
+        (["--arms", "grpo", "--preregister", str(tmp_path / "nope.md")], "nope.md: no such file"),
+    ]
+    for argv, message in cases:
+        assert main(["study", "--smoke", "--output_dir", str(tmp_path / "s"), *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "s" / "metrics").exists()  # nothing trained
+    bad = {"select": {"kl_best": ["grpo_kl_7"]}}
+    with pytest.raises(ValueError, match="unknown arm"):
+        study.load_selection(bad, {"grpo": {}})
+    with pytest.raises(ValueError, match="also an arm's name"):
+        study.load_selection({"select": {"grpo": ["grpo"]}}, {"grpo": {}})
+    with pytest.raises(ValueError, match="metric must be one of"):
+        study.load_selection({"select": {"best": {"among": ["grpo"], "metric": "speed"}}}, {"grpo": {}})
+    no_tuning = tmp_path / "no_tuning.yaml"
+    no_tuning.write_text(f"base: {REPO / 'configs' / 'tiny_demo.yaml'}\nstudy: {{select: {{kl_best: [grpo]}}}}\n")
+    assert main(["study", "--smoke", "--config", str(no_tuning), "--arms", "kl_best",
+                 "--output_dir", str(tmp_path / "s")]) == 2
+    assert "give --tuning_seeds" in capsys.readouterr().err
+
+
+def test_preregistration_commit_is_recorded(tmp_path):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *args: subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,  # noqa: E731
+                                       check=True).stdout.strip()
+    git("init", "-q")
+    (repo / "prereg.md").write_text("arms: grpo, armor\n")
+    git("add", "prereg.md")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "pre-register")
+    record = study.provenance(repo / "prereg.md")["preregistration"]
+    assert record["commit"] == git("rev-parse", "HEAD") and record["uncommitted_changes"] is False
+    (repo / "prereg.md").write_text("arms: grpo, armor, more\n")
+    assert study.provenance(repo / "prereg.md")["preregistration"]["uncommitted_changes"] is True
+    (repo / "new.md").write_text("x")
+    assert study.provenance(repo / "new.md")["preregistration"]["commit"] is None

@@ -63,7 +63,8 @@ def test_alpha_one_without_anchors_matches_grpo(tiny_model_path, tiny_tokenizer,
 
 # --- anchor rollout ------------------------------------------------------------------------------------------------
 def test_anchors_come_from_the_reference_and_join_their_group(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch):
-    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2, anchor_num_samples=4)
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2, anchor_num_samples=4,
+                           anchor_same_call=False)  # a separate call on π_ref also at step 0 (same-call: its own tests)
     generation_calls = []
     original_generate = seam.generate
 

@@ -54,10 +54,11 @@ def test_candidates_come_from_reference_weights_and_policy_is_restored(tiny_mode
     engine = with_fake_vllm(trainer, tiny_tokenizer)
     rounds = capture_rounds(trainer)
     trainer.train()
-    # round 1: π_ref == π_θ (a copy of the initial policy): no swap; rounds 2-3: candidates from π_ref,
-    # and the policy is pushed again before every policy rollout
+    # round 1: π_ref == π_θ (a copy of the initial policy): same-call, the K = 2 candidates per group are extra rows
+    # of the policy's call (2 groups x (3 + 2)); rounds 2-3: candidates from π_ref, and the policy is pushed again
+    # before every policy rollout
     assert engine.generated_with == [
-        ("policy@0", 6), ("policy@0", 4),
+        ("policy@0", 10),
         ("policy@1", 6), ("reference", 4),
         ("policy@2", 6), ("reference", 4),
     ]
@@ -69,10 +70,26 @@ def test_candidates_come_from_reference_weights_and_policy_is_restored(tiny_mode
 
 
 def test_no_swap_right_after_a_reset(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, ref_reset_steps=1, anchor_num_samples=2)
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, ref_reset_steps=1,
+                           anchor_num_samples=2, anchor_same_call=False)
     engine = with_fake_vllm(trainer, tiny_tokenizer)
     trainer.train()
     assert [loaded for loaded, _ in engine.generated_with] == ["policy@0"] * 2 + ["policy@1"] * 2 + ["policy@2"] * 2
+
+
+def test_same_call_rounds_use_one_engine_call_after_every_reset(tiny_model_path, tiny_tokenizer, prompt_dataset,
+                                                                 tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, ref_reset_steps=1,
+                           anchor_num_samples=2)
+    engine = with_fake_vllm(trainer, tiny_tokenizer)
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    # π_ref is reset to π_θ before every round: one call of 2 groups x (G-1 = 3 rollouts + K = 2 candidates) each
+    assert engine.generated_with == [("policy@0", 10), ("policy@1", 10), ("policy@2", 10)]
+    assert logged(trainer, "armor/anchor_same_call") == [1.0, 1.0, 1.0]
+    for out in rounds:  # anchors are still not importance-corrected against the engine's sampling log-probs
+        slots = [3, 7]
+        assert torch.equal(out["importance_sampling_ratio"][slots], torch.ones_like(out["importance_sampling_ratio"][slots]))
 
 
 def test_lora_reference_is_pushed_with_the_ref_adapter_active(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
@@ -82,7 +99,7 @@ def test_lora_reference_is_pushed_with_the_ref_adapter_active(tiny_model_path, t
     )
     engine = with_fake_vllm(trainer, tiny_tokenizer)
     trainer.train()
-    assert engine.generated_with[2:] == [("policy@1", 6), ("reference", 4)]
+    assert engine.generated_with == [("policy@0", 10), ("policy@1", 6), ("reference", 4)]  # step 0: same-call
     assert trainer.model.active_adapter == "default"  # the trained adapter is active again
 
 
@@ -105,7 +122,7 @@ def test_refill_rounds_use_the_engine_and_push_the_policy_back(tiny_model_path, 
 
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, numbers_dataset(range(30)), tmp_path, max_steps=3, anchor_num_samples=2,
-        reward_funcs=scripted, dynamic_sampling=True,
+        reward_funcs=scripted, dynamic_sampling=True, anchor_same_call=False,  # one candidate call per round
     )
     engine = with_fake_vllm(trainer, tiny_tokenizer)
     trainer.train()

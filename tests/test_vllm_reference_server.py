@@ -103,7 +103,7 @@ def test_anchor_candidates_come_from_the_reference_server_which_gets_weights_onl
 ):
     trainer, policy_server, reference_server, snapshots, seven = server_trainer(
         monkeypatch, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=5, ref_reset_steps=2,
-        anchor_num_samples=2,
+        anchor_num_samples=2, anchor_same_call=False,  # the reference server's path (same-call: test_same_call.py)
     )
     # the reference's server samples like the policy's, on its own URL and weight-update group
     assert reference_server.settings["server_base_url"] == REFERENCE_URL
@@ -136,7 +136,7 @@ def test_lora_reference_is_pushed_once_at_the_start_and_at_resets_with_the_ref_a
 ):
     trainer, policy_server, reference_server, snapshots, _ = server_trainer(
         monkeypatch, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, ref_reset_steps=2,
-        anchor_num_samples=2, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+        anchor_num_samples=2, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), anchor_same_call=False,
     )
     trainer.train()
     # the server holds the base model: the "ref" adapter (merged by TRL's sync) is pushed before the first anchors

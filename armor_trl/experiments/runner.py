@@ -81,21 +81,29 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     ``warmup.check_every`` steps; at most ``warmup.steps``). Stopping on accuracy rather than after a fixed
     number of steps keeps the start point of RL comparable: this task is learnt in a sudden jump whose timing
     varies with every detail.
+
+    With ``warmup.modes`` (e.g. ``{worked: 0.5, direct: 0.5}``, :data:`armor_trl.modes.MODES`) each training row is
+    written in a mode drawn with these weights (:func:`armor_trl.modes.mode_text`), and calibration runs on
+    held-out-like problems (``arithmetic_eval_filter``) with :func:`armor_trl.rewards.final_integer_reward` and room
+    for the worked mode; the record adds the calibration samples' mode shares.
     """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..datasets import arithmetic_problems, arithmetic_splits
+    from ..datasets import ARITHMETIC_FILTERS, arithmetic_problems, arithmetic_splits
     from ..evaluation import evaluate
-    from ..rewards import exact_integer_reward
+    from ..modes import classify, max_completion_chars, mode_text, parse_problem
+    from ..rewards import exact_integer_reward, final_integer_reward
     from ..tiny import build_tiny_model
 
     warm = settings["warmup"]
+    mix = warmup_modes(warm.get("modes"))
     task = {k: recipe[k] for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
                                    "arithmetic_seed")}
-    if recipe.get("arithmetic_train_filter"):  # only when set, so earlier cached checkpoints keep their keys
-        task["arithmetic_train_filter"] = recipe["arithmetic_train_filter"]
+    for name in ("arithmetic_train_filter", "arithmetic_eval_filter"):
+        if recipe.get(name):  # only when set, so earlier cached checkpoints keep their keys
+            task[name] = recipe[name]
     key = json.dumps({"model": settings["tiny_model"], "warmup": warm, "task": task}, sort_keys=True)
     path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (path / "warmup.json").is_file():
@@ -105,11 +113,20 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
 
     rl_train, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],
                                            task["arithmetic_seed"], task["arithmetic_digits"],
-                                           train_filter=task.get("arithmetic_train_filter"))
+                                           train_filter=task.get("arithmetic_train_filter"),
+                                           eval_filter=task.get("arithmetic_eval_filter"))
     reserved = set(rl_train["prompt"]) | set(held_out["prompt"])
-    problems = arithmetic_problems(warm["num_problems"] + warm["calibration_size"], warm["seed"],
+    # the draw is sequential, so the first num_problems are the same with or without the calibration problems
+    problems = arithmetic_problems(warm["num_problems"] + (0 if mix else warm["calibration_size"]), warm["seed"],
                                    task["arithmetic_digits"], exclude=reserved)
-    problems, calibration = problems[: warm["num_problems"]], problems[warm["num_problems"]:]
+    if mix:  # calibrate on problems like the held-out ones, where the modes differ
+        calibration = arithmetic_problems(warm["calibration_size"], f"{warm['seed']}-calibration",
+                                          task["arithmetic_digits"], exclude=reserved | {p for p, _ in problems},
+                                          keep=ARITHMETIC_FILTERS.get(task.get("arithmetic_eval_filter")))
+    else:
+        problems, calibration = problems[: warm["num_problems"]], problems[warm["num_problems"]:]
+    verifier, max_new_tokens = ((final_integer_reward, max_completion_chars(task["arithmetic_digits"])) if mix
+                                else (exact_integer_reward, 5))
     calibration = Dataset.from_dict({"prompt": [p for p, _ in calibration], "answer": [a for _, a in calibration]})
 
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -120,15 +137,23 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     torch.manual_seed(warm["seed"])
     rng = random.Random(warm["seed"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=warm["learning_rate"], weight_decay=0.0)
-    encoded = []
-    for prompt, answer in problems:  # loss on the answer and end-of-sequence tokens only
+    def encode(prompt, answer):  # loss on the answer and end-of-sequence tokens only
         prompt_ids = tokenizer(prompt)["input_ids"]
         answer_ids = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
-        encoded.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
-    accuracy, step = 0.0, 0
+        return prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids
+
+    encoded = [encode(prompt, answer) for prompt, answer in problems]
+    if mix:
+        written = {mode: [encode(p, mode_text(mode, *parse_problem(p))) for p, _ in problems] for mode in mix}
+
+    def row():  # the plain task draws exactly as before (cached checkpoints stay valid)
+        i = rng.randrange(len(encoded))
+        return written[rng.choices(list(mix), weights=list(mix.values()))[0]][i] if mix else encoded[i]
+
+    accuracy, step, result = 0.0, 0, {}
     while step < warm["steps"] and accuracy < warm["target_accuracy"]:
         model.train()
-        batch = [encoded[rng.randrange(len(encoded))] for _ in range(warm["batch_size"])]
+        batch = [row() for _ in range(warm["batch_size"])]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
@@ -140,12 +165,15 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
         if progress is not None:
             progress.update(1)
         if step % warm["check_every"] == 0:
-            accuracy = evaluate(model, tokenizer, calibration, exact_integer_reward, k=4, max_new_tokens=5,
-                                batch_size=1024, seed=warm["seed"])["avg@4"]
+            result = evaluate(model, tokenizer, calibration, verifier, k=4, max_new_tokens=max_new_tokens,
+                              batch_size=1024, seed=warm["seed"], classify=classify if mix else None)
+            accuracy = result["avg@4"]
     if progress is not None:  # stopped at the target accuracy
         progress.total = step
         progress.refresh()
     record = {"steps": step, "calibration_avg@4": accuracy, "target_accuracy": warm["target_accuracy"]}
+    if mix:
+        record["calibration_modes"] = result.get("mode_shares")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "warmup.json").write_text(json.dumps(record))
@@ -154,6 +182,20 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     else:
         os.replace(tmp, path)
     return str(path), record
+
+
+def warmup_modes(modes) -> dict[str, float] | None:
+    """The mode mix of ``demo.warmup.modes`` ({mode: weight}, weights >= 0 with a positive sum), None when unset."""
+    from ..modes import MODES
+
+    if modes is None:
+        return None
+    if (not isinstance(modes, dict) or not modes or set(modes) - set(MODES)
+            or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in modes.values())
+            or sum(modes.values()) <= 0):
+        raise ValueError(f"demo.warmup.modes must map modes of {list(MODES)} to weights >= 0 with a positive sum, "
+                         f"e.g. {{worked: 0.5, direct: 0.5}}; got {modes!r}.")
+    return {mode: float(weight) for mode, weight in modes.items() if weight > 0}
 
 
 @contextlib.contextmanager

@@ -4,6 +4,10 @@ Per run: start / peak / step of peak / final / minimum after the peak / area und
 training reward. Per arm: mean ± sample std over seeds. Between two arms: the paired difference per seed (same
 seed = same evaluation sampling seed and RL seed), on the validation steps both runs have, with a percentile
 bootstrap 95% confidence interval of the mean difference over seeds, and a verdict that follows the interval.
+
+With several warm checkpoints (warm-up seeds) runs are keyed (warm checkpoint, seed) and pairs share both; the
+interval is a hierarchical bootstrap: warm checkpoints resampled with replacement, then seeds within each chosen
+one (:func:`hierarchical_ci`). With one warm checkpoint it is exactly the seed bootstrap (:func:`bootstrap_ci`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import numpy as np
 
 METRICS = ("start", "peak", "peak_step", "final", "min_after_peak", "auc", "final_train_reward")
 COMPARED = ("final", "auc", "min_after_peak", "peak", "final_train_reward")  # paired comparisons, in this order
+PRIMARY = ("final", "auc", "min_after_peak")  # issue 16's primary metrics: final held-out accuracy, area, minimum
+MEANS = ("start", "peak", "final", "min_after_peak", "auc")  # per-arm means given a hierarchical CI (several warms)
 TRAIN_TAIL = 0.1  # final training reward: mean of the last 10% of logged values (one step's reward is noisy)
 COLLAPSE_DROP = 0.10  # issue 11's criterion: validation ends this far below its peak, and below its start,
 # while the training reward rose (mean of the last 10% of logged values above the mean of the first 10%)
@@ -110,12 +116,9 @@ def matched(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> tuple[lis
     return [p for p in a if p[0] in common], [p for p in b if p[0] in common]
 
 
-def paired_comparison(arm: dict[int, dict], base: dict[int, dict], resamples: int = 10_000, seed: int = 0) -> dict:
-    """``arm − base`` per seed for each metric of :data:`COMPARED` and at each shared validation step.
-
-    ``arm`` and ``base`` map seed → ``{"val": curve, "train": curve}``; only seeds both have count. Each metric is
-    computed on the validation (and training) steps the two runs of a seed share. Returns ``{"seeds",
-    "metrics": {metric: {"diffs", "mean", "ci", "verdict"}}, "by_step": [{"step", "mean", "ci"}, ...]}``."""
+def paired_diffs(arm: dict[int, dict], base: dict[int, dict]) -> tuple[list, dict, dict]:
+    """(seeds both have, {metric: [arm − base per seed]}, {step: [arm − base per seed]}); each metric on the
+    validation (and training) steps the two runs of a seed share."""
     seeds = sorted(set(arm) & set(base))
     diffs = {m: [] for m in COMPARED}
     by_step: dict[int, list[float]] = {}
@@ -130,6 +133,16 @@ def paired_comparison(arm: dict[int, dict], base: dict[int, dict], resamples: in
                 diffs[m].append(ma[m] - mb[m])
         for (step, va), (_, vb) in zip(val_a, val_b):
             by_step.setdefault(step, []).append(va - vb)
+    return seeds, diffs, by_step
+
+
+def paired_comparison(arm: dict[int, dict], base: dict[int, dict], resamples: int = 10_000, seed: int = 0) -> dict:
+    """``arm − base`` per seed for each metric of :data:`COMPARED` and at each shared validation step.
+
+    ``arm`` and ``base`` map seed → ``{"val": curve, "train": curve}``; only seeds both have count. Each metric is
+    computed on the validation (and training) steps the two runs of a seed share. Returns ``{"seeds",
+    "metrics": {metric: {"diffs", "mean", "ci", "verdict"}}, "by_step": [{"step", "mean", "ci"}, ...]}``."""
+    seeds, diffs, by_step = paired_diffs(arm, base)
 
     def summary(values):
         ci = bootstrap_ci(values, resamples, seed) if len(values) >= 2 else None
@@ -141,6 +154,92 @@ def paired_comparison(arm: dict[int, dict], base: dict[int, dict], resamples: in
         metrics[m] = {"diffs": diffs[m], **result, "verdict": verdict(result["ci"])}
     steps = [{"step": step, **summary(values)} for step, values in sorted(by_step.items())]
     return {"seeds": seeds, "metrics": metrics, "by_step": steps}
+
+
+# --- several warm checkpoints: the hierarchical bootstrap --------------------------------------------------------
+def hierarchical_sample(sizes: list[int], resamples: int, rng: np.random.Generator) -> tuple:
+    """The resampling plan for groups of ``sizes`` values (one group per warm checkpoint): ``warm`` (resamples, W),
+    the groups drawn with replacement; ``picks`` (resamples, W, max size), for each drawn group that many of its
+    values drawn with replacement (``floor(u · size)``, u uniform, so one array serves groups of any size);
+    ``valid`` marks the picks within each drawn group's size. Draw order: ``warm`` first, then ``u``."""
+    sizes = np.asarray(sizes)
+    warm = rng.integers(0, len(sizes), size=(resamples, len(sizes)))
+    drawn = sizes[warm][..., None]
+    picks = (rng.random((resamples, len(sizes), sizes.max())) * drawn).astype(int)
+    valid = np.arange(sizes.max()) < drawn
+    return warm, np.where(valid, picks, 0), valid
+
+
+def grand_mean(groups: list[list[float]]) -> float:
+    """The mean of the groups' means: every warm checkpoint weighs the same, whatever its number of seeds (with
+    equal numbers it is the mean of all values)."""
+    return statistics.fmean(statistics.fmean(g) for g in groups)
+
+
+def hierarchical_means(groups: list[list[float]], resamples: int = 10_000, seed: int = 0) -> np.ndarray:
+    """The bootstrap distribution of :func:`grand_mean`: per resample, draw W groups with replacement, then each
+    drawn group's values with replacement (:func:`hierarchical_sample`), and take the mean of the drawn groups'
+    means."""
+    sizes = [len(g) for g in groups]
+    table = np.zeros((len(groups), max(sizes)))
+    for i, g in enumerate(groups):
+        table[i, : len(g)] = g
+    warm, picks, valid = hierarchical_sample(sizes, resamples, np.random.default_rng(seed))
+    values = table[warm[..., None], picks]
+    return ((values * valid).sum(axis=-1) / np.asarray(sizes)[warm]).mean(axis=1)
+
+
+def hierarchical_ci(groups: list[list[float]], resamples: int = 10_000, seed: int = 0, level: float = 0.95) -> tuple:
+    """Percentile interval of :func:`grand_mean` under the hierarchical bootstrap; empty groups are left out. With
+    one group it is :func:`bootstrap_ci` of its values, the same numbers as a study with one warm checkpoint."""
+    groups = [list(g) for g in groups if len(g)]
+    if not groups:
+        raise ValueError("bootstrap of no values")
+    if len(groups) == 1:
+        return bootstrap_ci(groups[0], resamples, seed, level)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(hierarchical_means(groups, resamples, seed), [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def _sign(value: float) -> int:
+    return (value > 0) - (value < 0)
+
+
+def hierarchical_summary(groups: dict, resamples: int = 10_000, seed: int = 0) -> dict:
+    """``groups`` maps warm checkpoint → values: the grand mean, its hierarchical CI (None with fewer than 2
+    values), the mean per warm checkpoint, their std (between warm checkpoints) and whether every warm
+    checkpoint's mean has the grand mean's (non-zero) sign."""
+    kept = {w: list(v) for w, v in groups.items() if len(v)}
+    n = sum(len(v) for v in kept.values())
+    if not kept:
+        return {"mean": None, "ci": None, "n": 0, "per_warm": {}, "between_warm_std": None,
+                "sign_holds_on_every_warm": None}
+    per_warm = {w: statistics.fmean(v) for w, v in kept.items()}
+    mean = grand_mean(list(kept.values()))
+    return {"mean": mean, "ci": hierarchical_ci(list(kept.values()), resamples, seed) if n >= 2 else None, "n": n,
+            "per_warm": per_warm,
+            "between_warm_std": statistics.stdev(per_warm.values()) if len(per_warm) > 1 else 0.0,
+            "sign_holds_on_every_warm": _sign(mean) != 0 and all(_sign(v) == _sign(mean) for v in per_warm.values())}
+
+
+def hierarchical_comparison(arm: dict, base: dict, resamples: int = 10_000, seed: int = 0) -> dict:
+    """:func:`paired_comparison` over several warm checkpoints: ``arm`` and ``base`` map warm checkpoint → seed →
+    curves; runs are paired by (warm checkpoint, seed). Each metric: :func:`hierarchical_summary` of the paired
+    differences plus ``diffs`` per warm checkpoint and a verdict that follows the interval."""
+    warms = sorted(set(arm) & set(base))
+    paired = {w: paired_diffs(arm[w], base[w]) for w in warms}
+    metrics = {}
+    for m in COMPARED:
+        diffs = {w: paired[w][1][m] for w in warms}
+        result = hierarchical_summary(diffs, resamples, seed)
+        metrics[m] = {"diffs": diffs, **result, "verdict": verdict(result["ci"])}
+    steps = sorted({step for w in warms for step in paired[w][2]})
+    by_step = []
+    for step in steps:
+        result = hierarchical_summary({w: paired[w][2].get(step, []) for w in warms}, resamples, seed)
+        by_step.append({"step": step, **{k: result[k] for k in ("mean", "ci", "n")}})
+    return {"runs": [[w, s] for w in warms for s in paired[w][0]], "metrics": metrics, "by_step": by_step}
 
 
 def trailing_mean(values, window: int) -> np.ndarray:

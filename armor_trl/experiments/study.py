@@ -5,6 +5,13 @@ An arm is a name and overrides of the recipe (``configs/study/arms.yaml``, ``--a
 model warm-started from the recipe's ``demo:`` section) and writes ``metrics/<arm>-seed<s>.jsonl`` atomically when
 it finishes; a rerun of the same command skips the runs whose file exists. Then :mod:`.stats` summarises them into
 ``summary.json`` / ``summary.md``, and ``curves.png`` / ``kl.png`` plot them.
+
+Several warm checkpoints (``--warmup_seeds 0,1,2`` or ``study.warmup_seeds``): each warm-up seed builds its own
+warm checkpoint, runs are keyed (arm, warm-up seed, seed) and written as ``metrics/<arm>-warm<w>-seed<s>.jsonl``,
+and the statistics resample warm checkpoints, then seeds (:func:`.stats.hierarchical_ci`). The recipe's
+``study:`` section may also name primary comparisons (``primary: [[armor, grpo_kl_best], ...]``) and arms chosen
+on tuning seeds (``select: {grpo_kl_best: [grpo_kl_0.01, grpo_kl_0.04, grpo_kl_0.1]}`` with ``tuning_seeds:``,
+disjoint from the reporting seeds): see :func:`run_study`.
 """
 
 from __future__ import annotations
@@ -12,6 +19,10 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import platform
+import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -30,8 +41,9 @@ CONFIGS = next((path for path in (Path(__file__).resolve().parents[2] / "configs
 DEFAULT_CONFIG = CONFIGS / "tiny_demo.yaml"
 DEFAULT_ARMS_FILE = CONFIGS / "study" / "arms.yaml"
 BASELINES = ("grpo", "grpo_small_lr")  # default: every other arm is compared with these, where they ran
-STUDY_KEYS = ("arms", "default_arms", "seeds")  # the recipe's `study:` section
+STUDY_KEYS = ("arms", "default_arms", "seeds", "warmup_seeds", "tuning_seeds", "primary", "select")  # `study:`
 DEFAULT_SEEDS = 3
+SELECT_METRIC = "final"  # a select: alias picks the arm with the best mean of this on the tuning seeds
 
 
 # --- the plan --------------------------------------------------------------------------------------------------
@@ -55,13 +67,72 @@ def load_arms(recipe: dict, arms_file: str | os.PathLike | None = None) -> tuple
     return arms, list(section.get("default_arms") or data.get("default") or [])
 
 
-def select_arms(arms: dict, names: list[str]) -> dict:
-    unknown = [n for n in names if n not in arms]
+def select_arms(arms: dict, names: list[str], aliases=()) -> dict:
+    """{name: overrides} of the named arms; names in ``aliases`` (select: aliases) are allowed and left out."""
+    unknown = [n for n in names if n not in arms and n not in aliases]
     if unknown:
-        raise ValueError(f"Unknown arm(s) {', '.join(unknown)}; known arms: {', '.join(arms)}.")
+        raise ValueError(f"Unknown arm(s) {', '.join(unknown)}; known arms: {', '.join([*arms, *aliases])}.")
     if not names:
         raise ValueError("No arms to run: pass --arms a,b,...")
-    return {n: arms[n] for n in dict.fromkeys(names)}
+    return {n: arms[n] for n in dict.fromkeys(names) if n not in aliases}
+
+
+def parse_seeds(value, field: str) -> list[int]:
+    """A list of distinct integer seeds, from a list or a comma-separated string."""
+    if isinstance(value, str):
+        try:
+            value = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"{field} must be comma-separated integers, got {value!r}.") from None
+    if (not isinstance(value, (list, tuple)) or not value
+            or any(not isinstance(v, int) or isinstance(v, bool) for v in value)):
+        raise ValueError(f"{field} must be a non-empty list of integer seeds, got {value!r}.")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{field} repeats a seed: {list(value)}.")
+    return list(value)
+
+
+def load_selection(section: dict, arms: dict) -> dict:
+    """``{alias: {"among": [arms], "metric": m}}`` from the study section's ``select:`` (an alias maps to a list
+    of arms, or to ``{among: [...], metric: m}``; m is one of stats.COMPARED, default :data:`SELECT_METRIC`)."""
+    select = section.get("select") or {}
+    if not isinstance(select, dict):
+        raise ValueError(f"study.select must map alias: [arms], got {select!r}.")
+    out = {}
+    for alias, spec in select.items():
+        spec = {"among": spec} if isinstance(spec, list) else spec
+        if (not isinstance(spec, dict) or set(spec) - {"among", "metric"} or not isinstance(spec.get("among"), list)
+                or not spec["among"]):
+            raise ValueError(f"study.select.{alias} must be a list of arms or {{among: [arms], metric: M}}, got "
+                             f"{spec!r}.")
+        if alias in arms:
+            raise ValueError(f"study.select alias {alias!r} is also an arm's name; rename one of them.")
+        unknown = [a for a in spec["among"] if a not in arms]
+        if unknown:
+            raise ValueError(f"study.select.{alias} names unknown arm(s) {unknown}; known arms: {', '.join(arms)}.")
+        metric = spec.get("metric", SELECT_METRIC)
+        if metric not in stats.COMPARED:
+            raise ValueError(f"study.select.{alias}.metric must be one of {list(stats.COMPARED)}, got {metric!r}.")
+        out[alias] = {"among": list(dict.fromkeys(spec["among"])), "metric": metric}
+    return out
+
+
+def load_primary(value, names: list[str]) -> list[list[str]]:
+    """Primary comparisons ``[[arm, baseline], ...]`` (from the recipe, or ``arm:baseline,...`` on the command
+    line); both must be arms (or aliases) of the study."""
+    if isinstance(value, str):
+        value = [pair.split(":") for pair in value.split(",") if pair.strip()]
+    pairs = []
+    for pair in value or []:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or pair[0] == pair[1]:
+            raise ValueError(f"A primary comparison is two different arms [arm, baseline] (--primary arm:baseline), "
+                             f"got {pair!r}.")
+        missing = [a for a in pair if a not in names]
+        if missing:
+            raise ValueError(f"Primary comparison {list(pair)} names {missing}, not among this study's arms "
+                             f"{names}; add them to --arms.")
+        pairs.append([str(pair[0]), str(pair[1])])
+    return pairs
 
 
 def check_arms(arms: dict, recipe: dict, recipe_file: str, model_path: str) -> dict:
@@ -87,8 +158,16 @@ def check_study_folder(out: Path, plan: dict) -> None:
         record.write_text(json.dumps(plan, indent=2))
         return
     earlier = read_json(str(record))
+    models = plan["model"]
+    if isinstance(earlier.get("model"), dict) and isinstance(models, dict):  # warm checkpoints by warm-up seed:
+        # more warm-up seeds may join a folder; those it has must name the same checkpoints
+        same = {"model": all(earlier["model"].get(w, path) == path for w, path in models.items())}
+        models = {**earlier["model"], **models}
+    else:
+        same = {"model": earlier.get("model") == models}
+    same.update({key: earlier.get(key) == plan[key] for key in ("recipe", "smoke_overrides")})
     for key in ("recipe", "smoke_overrides", "model"):
-        if earlier.get(key) != plan[key]:
+        if not same[key]:
             raise ValueError(f"{out} holds a study with a different {key}; use another study folder (--out; the "
                              "demo's --output_dir).")
     for name, overrides in plan["arms"].items():
@@ -96,77 +175,35 @@ def check_study_folder(out: Path, plan: dict) -> None:
             raise ValueError(f"{out} ran arm {name!r} with overrides {earlier['arms'][name]}, now {overrides}; "
                              "rename the arm or use another study folder (--out; the demo's --output_dir).")
     earlier["arms"].update(plan["arms"])
+    earlier["model"] = models
     record.write_text(json.dumps(earlier, indent=2))
 
 
-def metrics_path(out: Path, arm: str, seed: int) -> Path:
-    return out / "metrics" / f"{arm}-seed{seed}.jsonl"
+def run_name(arm: str, seed: int, warm: int | None = None) -> str:
+    """``<arm>-seed<s>``, or ``<arm>-warm<w>-seed<s>`` in a study of several warm checkpoints."""
+    return f"{arm}-seed{seed}" if warm is None else f"{arm}-warm{warm}-seed{seed}"
 
 
-def _run_job(job: dict) -> tuple[str, int, float]:
+def metrics_path(out: Path, arm: str, seed: int, warm: int | None = None) -> Path:
+    return out / "metrics" / f"{run_name(arm, seed, warm)}.jsonl"
+
+
+def _run_job(job: dict) -> tuple[str, float]:
     """One run, in a worker process (or in this one with one worker)."""
     go_offline()
     with quiet_single_thread():
         run = train_run(job["recipe_file"], job["overrides"], job["seed"], job["model"], Path(job["output_dir"]),
-                        Path(job["metrics"]), {"run": job["name"], "arm": job["arm"], "seed": job["seed"]})
-    return job["arm"], job["seed"], run["wall_time"]
+                        Path(job["metrics"]), job["tags"])
+    return job["name"], run["wall_time"]
 
 
-# --- the study -------------------------------------------------------------------------------------------------
-def run_study(config: str | None = None, arms: list[str] | None = None, seeds: int | None = None,
-              workers: int | None = None, out: str | None = None, smoke: bool = False,
-              arms_file: str | None = None, resamples: int = 10_000, verbose: bool = True,
-              baselines: list[str] | None = None) -> Path:
-    """Run the missing runs of arms × seeds, then summarise every finished one (printed with ``verbose``), each arm
-    paired with each of ``baselines`` (default :data:`BASELINES`) that ran; return the study folder."""
+def run_jobs(jobs: list[dict], workers: int | None, desc: str) -> tuple[int, int]:
+    """Run the jobs whose metrics file is missing, in ``workers`` processes; (runs executed, workers used)."""
     from tqdm.auto import tqdm
 
-    go_offline()
-    config_path, recipe = read_recipe(config or DEFAULT_CONFIG)
-    all_arms, default_arms = load_arms(recipe, arms_file)
-    chosen = select_arms(all_arms, arms or default_arms)
-    if baselines is not None and set(baselines) - set(all_arms):
-        raise ValueError(f"Unknown baseline arm(s) {sorted(set(baselines) - set(all_arms))}; known arms: "
-                         f"{', '.join(all_arms)}.")
-    seeds = seeds if seeds is not None else (recipe.get("study") or {}).get("seeds", DEFAULT_SEEDS)
-    if not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"--seeds must be an integer >= 1, got {seeds!r}")
-    if workers is not None and workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
-    out = Path(out) if out else Path("results/study") / Path(config_path).stem
-    out.mkdir(parents=True, exist_ok=True)
-    settings, smoke_overrides = smoke_version(recipe) if smoke else (dict(recipe.get("demo", {})), {})
-
-    with quiet_single_thread():
-        if recipe.get("model_name_or_path"):
-            model_path, warmup = recipe["model_name_or_path"], None
-        elif "demo" in recipe:
-            model_path, warmup = warm_start({**recipe, **smoke_overrides}, settings, out.parent / "cache")
-        else:
-            raise ValueError(f"{config_path} has no model_name_or_path and no demo: section to warm-start one from.")
-        recipe_file = out / "recipe.yaml"  # the merged recipe (base: resolved) every run parses
-        recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
-        resolved = check_arms(chosen, recipe, str(recipe_file), model_path)
-    check_study_folder(out, {"recipe": recipe, "smoke_overrides": smoke_overrides, "model": model_path,
-                        "arms": chosen})
-
-    seed0 = recipe.get("seed", 0)
-    seed_list = list(range(seed0, seed0 + seeds))
-    jobs = []
-    for seed in seed_list:
-        for arm, overrides in resolved.items():
-            name = f"{arm}-seed{seed}"
-            run_overrides = {**overrides, **smoke_overrides}
-            if smoke and run_overrides.get("method", recipe.get("method")) == "armor":
-                run_overrides["anchor_fail_after_rounds"] = 0  # a seconds-long warm-up may give no anchor in 4 steps
-            jobs.append({"arm": arm, "seed": seed, "name": name, "recipe_file": str(recipe_file),
-                         "overrides": run_overrides, "model": model_path,
-                         "output_dir": str(out / "runs" / name), "metrics": str(metrics_path(out, arm, seed))})
     pending = [j for j in jobs if not Path(j["metrics"]).is_file()]
     workers = min(workers or os.cpu_count() or 1, max(1, len(pending)))
-    start = time.time()
-    with tqdm(total=len(jobs), initial=len(jobs) - len(pending), desc="study runs", unit="run",
-              dynamic_ncols=True) as bar:
+    with tqdm(total=len(jobs), initial=len(jobs) - len(pending), desc=desc, unit="run", dynamic_ncols=True) as bar:
         if workers == 1:
             for job in pending:
                 _run_job(job)
@@ -176,27 +213,251 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
                 futures = [pool.submit(_run_job, job) for job in pending]
                 try:
                     for future in as_completed(futures):
-                        arm, seed, _ = future.result()
-                        bar.set_postfix_str(f"{arm}-seed{seed} done", refresh=False)
+                        name, _ = future.result()
+                        bar.set_postfix_str(f"{name} done", refresh=False)
                         bar.update(1)
                 except BaseException:
                     for future in futures:
                         future.cancel()
                     raise
-    curves = {arm: {seed: read_curves(metrics_path(out, arm, seed)) for seed in seed_list} for arm in chosen}
-    summary = summarize(curves, resamples, BASELINES if baselines is None else baselines)
-    summary.update({"recipe": config_path, "out": str(out), "model": model_path, "warmup": warmup, "smoke": smoke,
-                    "arms": chosen, "seeds": seed_list, "runs_executed": len(pending),
-                    "wall_time_s": time.time() - start, "workers": workers})
+    return len(pending), workers
+
+
+def machine() -> dict:
+    """The CPU the runs train on: results depend on it (the warm-up's float path does)."""
+    model = None
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"cpu_model": model or platform.processor() or "unknown", "cpu_cores": os.cpu_count(),
+            "platform": platform.platform()}
+
+
+def _git(folder: Path, *args: str) -> str | None:
+    try:
+        result = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def provenance(preregister: str | os.PathLike | None = None) -> dict:
+    """The commit of the code that ran (None outside a git checkout) and, with ``preregister``, the last commit of
+    that file (``git log -1 --format=%H -- file``): what a report cites as the pre-registration."""
+    commit = _git(Path(__file__).resolve().parent, "rev-parse", "HEAD")
+    record = {"commit": commit, "uncommitted_changes": None if commit is None else
+              bool(_git(Path(__file__).resolve().parent, "status", "--porcelain", "--untracked-files=no"))}
+    if preregister is not None:
+        path = Path(preregister).resolve()
+        if not path.is_file():
+            raise ValueError(f"--preregister {preregister}: no such file.")
+        record["preregistration"] = {
+            "file": str(preregister), "commit": _git(path.parent, "log", "-1", "--format=%H", "--", path.name) or None,
+            "uncommitted_changes": bool(_git(path.parent, "status", "--porcelain", "--", path.name))}
+    return record
+
+
+def select_best(out: Path, spec: dict, tuning: list[int], warms: list, tag) -> dict:
+    """The arm of ``spec["among"]`` with the best mean ``spec["metric"]`` on the tuning seeds (the mean of the warm
+    checkpoints' means; the first listed wins a tie), with every candidate's score."""
+    scores = {}
+    for arm in spec["among"]:
+        groups = {}
+        for w in warms:
+            values = [stats.run_metrics(c["val"], c["train"])[spec["metric"]]
+                      for c in (read_curves(metrics_path(out, arm, t, tag(w))) for t in tuning)]
+            groups[w] = [v for v in values if v is not None]
+        kept = [g for g in groups.values() if g]
+        scores[arm] = {"mean": stats.grand_mean(kept) if kept else None}
+        if len(warms) > 1:
+            scores[arm]["per_warm"] = {w: statistics.fmean(g) if g else None for w, g in groups.items()}
+    ranked = [arm for arm in spec["among"] if scores[arm]["mean"] is not None]
+    if not ranked:
+        raise ValueError(f"No arm of {spec['among']} has a {spec['metric']} on the tuning seeds {tuning}.")
+    best = max(ranked, key=lambda arm: scores[arm]["mean"])
+    return {**spec, "tuning_seeds": tuning, "scores": scores, "chosen": best}
+
+
+# --- the study -------------------------------------------------------------------------------------------------
+def run_study(config: str | None = None, arms: list[str] | None = None, seeds: int | None = None,
+              workers: int | None = None, out: str | None = None, smoke: bool = False,
+              arms_file: str | None = None, resamples: int = 10_000, verbose: bool = True,
+              baselines: list[str] | None = None, *, warmup_seeds=None, tuning_seeds=None, primary=None,
+              preregister: str | None = None) -> Path:
+    """Run the missing runs of arms × warm checkpoints × seeds, then summarise every finished one (printed with
+    ``verbose``), each arm paired with each of ``baselines`` (default :data:`BASELINES`) that ran; return the
+    study folder.
+
+    ``warmup_seeds`` (list or "0,1,2"; default ``study.warmup_seeds``, else the recipe's ``demo.warmup.seed``
+    alone): one warm checkpoint each, cached. ``primary`` (``[[arm, baseline], ...]`` or "arm:baseline,...";
+    default ``study.primary``): comparisons of :data:`.stats.PRIMARY` reported first. An arm name may be an alias
+    of ``study.select``: its candidate arms run first on the ``tuning_seeds`` (default ``study.tuning_seeds``;
+    refused if they overlap the reporting seeds) from every warm checkpoint; the best by the alias's metric is
+    written to summary.json's ``selection`` and runs on the reporting seeds, reported under the alias.
+    ``preregister``: a file whose last commit summary.json records, with the repository's commit."""
+    import torch
+
+    go_offline()
+    config_path, recipe = read_recipe(config or DEFAULT_CONFIG)
+    all_arms, default_arms = load_arms(recipe, arms_file)
+    section = recipe.get("study") or {}
+    selection = load_selection(section, all_arms)
+    names = list(dict.fromkeys(arms or default_arms))
+    chosen = select_arms(all_arms, names, selection)
+    aliases = [n for n in names if n in selection]
+    if baselines is not None and set(baselines) - set(all_arms) - set(selection):
+        raise ValueError(f"Unknown baseline arm(s) {sorted(set(baselines) - set(all_arms) - set(selection))}; known "
+                         f"arms: {', '.join(all_arms)}.")
+    primary = load_primary(primary if primary is not None else section.get("primary"), names)
+    seeds = seeds if seeds is not None else section.get("seeds", DEFAULT_SEEDS)
+    if not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"--seeds must be an integer >= 1, got {seeds!r}")
+    seed0 = recipe.get("seed", 0)
+    seed_list = list(range(seed0, seed0 + seeds))
+    tuning = tuning_seeds if tuning_seeds is not None else section.get("tuning_seeds")
+    tuning = parse_seeds(tuning, "--tuning_seeds (study.tuning_seeds)") if tuning is not None else []
+    if set(tuning) & set(seed_list):
+        raise ValueError(f"Tuning seeds {sorted(set(tuning) & set(seed_list))} are also reporting seeds {seed_list} "
+                         f"(--seeds counts from the recipe's seed {seed0}): an arm chosen on a seed must not be "
+                         "judged on it. Use disjoint seeds (--tuning_seeds / study.tuning_seeds).")
+    if aliases and not tuning:
+        raise ValueError(f"{aliases} are chosen among arms on tuning seeds (study.select): give --tuning_seeds or "
+                         "study.tuning_seeds, disjoint from the reporting seeds.")
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    record = provenance(preregister)
+    registered = record.get("preregistration")
+    if registered and (registered["commit"] is None or registered["uncommitted_changes"]):
+        print(f"armor-trl study: warning: the pre-registration {registered['file']} has "
+              f"{'no commit' if registered['commit'] is None else 'uncommitted changes'}; summary.json says so.",
+              file=sys.stderr)
+    out = Path(out) if out else Path("results/study") / Path(config_path).stem
+    out.mkdir(parents=True, exist_ok=True)
+    settings, smoke_overrides = smoke_version(recipe) if smoke else (dict(recipe.get("demo", {})), {})
+    warm = warmup_seeds if warmup_seeds is not None else section.get("warmup_seeds")
+
+    with quiet_single_thread():
+        threads = torch.get_num_threads()  # what every run trains with
+        if recipe.get("model_name_or_path"):
+            if warm is not None:
+                raise ValueError(f"--warmup_seeds (study.warmup_seeds) warm-start the tiny model of a demo: section; "
+                                 f"{config_path} trains model_name_or_path {recipe['model_name_or_path']}.")
+            models, warmups = {None: recipe["model_name_or_path"]}, {None: None}
+        elif "demo" in recipe:
+            warm = parse_seeds(warm, "--warmup_seeds (study.warmup_seeds)") if warm is not None else [
+                settings["warmup"]["seed"]]
+            models, warmups = {}, {}
+            for w in warm:  # the seed is part of warm_start's cache key: one checkpoint per warm-up seed
+                models[w], warmups[w] = warm_start({**recipe, **smoke_overrides},
+                                                   {**settings, "warmup": {**settings["warmup"], "seed": w}},
+                                                   out.parent / "cache")
+        else:
+            raise ValueError(f"{config_path} has no model_name_or_path and no demo: section to warm-start one from.")
+        recipe_file = out / "recipe.yaml"  # the merged recipe (base: resolved) every run parses
+        recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        candidates = {c: all_arms[c] for alias in aliases for c in selection[alias]["among"]}
+        resolved = check_arms({**chosen, **candidates}, recipe, str(recipe_file), next(iter(models.values())))
+    multi = len(models) > 1
+    tag = lambda w: w if multi else None  # noqa: E731 (one warm checkpoint keeps the file names it always had)
+    check_study_folder(out, {"recipe": recipe, "smoke_overrides": smoke_overrides,
+                             "model": {f"warm{w}": p for w, p in models.items()} if multi else models[next(iter(models))],
+                             "arms": {**chosen, **candidates}})
+
+    def job(arm: str, seed: int, w) -> dict:
+        name = run_name(arm, seed, tag(w))
+        run_overrides = {**resolved[arm], **smoke_overrides}
+        if smoke and run_overrides.get("method", recipe.get("method")) == "armor":
+            run_overrides["anchor_fail_after_rounds"] = 0  # a seconds-long warm-up may give no anchor in 4 steps
+        tags = {"run": name, "arm": arm, "seed": seed, **({} if tag(w) is None else {"warmup_seed": w})}
+        return {"arm": arm, "seed": seed, "name": name, "tags": tags, "recipe_file": str(recipe_file),
+                "overrides": run_overrides, "model": models[w], "output_dir": str(out / "runs" / name),
+                "metrics": str(metrics_path(out, arm, seed, tag(w)))}
+
+    start = time.time()
+    executed, used, choice, jobs = 0, 1, {}, []
+    if aliases:  # first the candidates on the tuning seeds, then the chosen arm on the reporting seeds
+        jobs = [job(arm, t, w) for w in models for t in tuning for arm in candidates]
+        executed, used = run_jobs(jobs, workers, "tuning runs")
+        choice = {alias: select_best(out, selection[alias], tuning, list(models), tag) for alias in aliases}
+    ran = {name: choice[name]["chosen"] if name in choice else name for name in names}  # reported name → arm run
+    report_jobs = [job(arm, seed, w) for w in models for seed in seed_list for arm in dict.fromkeys(ran.values())]
+    count, workers = run_jobs(report_jobs, workers, "study runs")
+    curves = {w: {name: {seed: read_curves(metrics_path(out, arm, seed, tag(w))) for seed in seed_list}
+                  for name, arm in ran.items()} for w in models}
+    summary = summarize_study(curves, resamples, BASELINES if baselines is None else baselines, primary)
+    runs = [{"name": j["name"], "arm": j["arm"], "warmup_seed": j["tags"].get("warmup_seed"), "seed": j["seed"],
+             "tuning": tuning_run, "wall_time_s": read_curves(Path(j["metrics"]))["wall_time_s"]}
+            for tuning_run, group in ((True, jobs), (False, report_jobs)) for j in group]
+    first = next(iter(models))
+    summary.update({"recipe": config_path, "out": str(out), "model": models[first] if not multi else
+                    {w: p for w, p in models.items()}, "warmup": warmups[first] if not multi else None,
+                    "smoke": smoke, "arms": {name: all_arms[arm] for name, arm in ran.items()}, "seeds": seed_list,
+                    "runs_executed": executed + count, "wall_time_s": time.time() - start,
+                    "workers": max(used, workers),
+                    "warmup_seeds": [w for w in models if w is not None],
+                    "warmups": [{"seed": w, "model": models[w], **warmups[w]} for w in models if warmups[w]],
+                    "tuning_seeds": tuning, "selection": choice,
+                    "machine": {**machine(), "torch_threads_per_run": threads}, "runs": runs, "git": record})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "summary.md").write_text(format_summary(summary))
-    plot_study(curves, out)
+    plot_study({name: {(w, s): c for w in curves for s, c in curves[w][name].items()} for name in names}, out)
     if verbose:
         print(f"\n{format_summary(summary)}\nResults in {out}")
     return out
 
 
 # --- the summary -------------------------------------------------------------------------------------------------
+def summarize_study(curves: dict, resamples: int = 10_000, baselines=BASELINES, primary=()) -> dict:
+    """``curves``: warm checkpoint → arm → seed → curves. One warm checkpoint: :func:`summarize` (today's numbers);
+    several: :func:`summarize_warms`. ``primary``: [[arm, baseline], ...], each compared on :data:`.stats.PRIMARY`
+    the same way, listed under ``primary``."""
+    warms = list(curves)
+    if len(warms) == 1:
+        summary = summarize(curves[warms[0]], resamples, baselines)
+        compare = lambda a, b: stats.paired_comparison(curves[warms[0]][a], curves[warms[0]][b], resamples)  # noqa: E731
+    else:
+        summary = summarize_warms(curves, resamples, baselines)
+        compare = lambda a, b: stats.hierarchical_comparison(  # noqa: E731
+            {w: curves[w][a] for w in warms}, {w: curves[w][b] for w in warms}, resamples)
+    summary["primary"] = []
+    for arm, base in primary:
+        result = compare(arm, base)
+        summary["primary"].append({"arm": arm, "baseline": base,
+                                   "metrics": {m: result["metrics"][m] for m in stats.PRIMARY}})
+    return summary
+
+
+def summarize_warms(curves: dict, resamples: int = 10_000, baselines=BASELINES) -> dict:
+    """:func:`summarize` over several warm checkpoints (``curves``: warm checkpoint → arm → seed → curves).
+    ``table``: mean ± std over all runs; ``means``: per arm and metric of :data:`.stats.MEANS`, the mean of the
+    warm checkpoints' means with its hierarchical CI, each warm checkpoint's mean and their std; ``comparisons``:
+    :func:`.stats.hierarchical_comparison` (pairs share warm checkpoint and seed); ``per_warm``: each warm
+    checkpoint's own table, paired comparisons and evaluation."""
+    warms = list(curves)
+    per_warm = {w: summarize(curves[w], resamples, baselines) for w in warms}
+    arms = list(curves[warms[0]])
+    pooled = summarize({arm: {(w, s): c for w in warms for s, c in curves[w][arm].items()} for arm in arms},
+                       resamples, ())
+    means = {arm: {m: stats.hierarchical_summary(
+        {w: [r[m] for r in per_warm[w]["per_run"][arm].values() if r[m] is not None] for w in warms}, resamples)
+        for m in stats.MEANS} for arm in arms}
+    comparisons = {base: {arm: stats.hierarchical_comparison({w: curves[w][arm] for w in warms},
+                                                             {w: curves[w][base] for w in warms}, resamples)
+                          for arm in arms if arm != base} for base in baselines if base in arms}
+    evaluation = {k: v for k, v in pooled["evaluation"].items() if k != "start_std_over_seeds"}
+    within = [per_warm[w]["evaluation"].get("start_std_over_seeds") for w in warms]
+    if None not in within:  # the same model with each seed's sampling, within each warm checkpoint: evaluation noise
+        evaluation["start_std_over_seeds"] = statistics.fmean(within)
+    evaluation["start_std_over_warms"] = stats.mean_std([per_warm[w]["evaluation"]["mean_start"] for w in warms])["std"]
+    times = [per_warm[w]["run_time_s"] for w in warms]
+    return {"per_run": {arm: {w: per_warm[w]["per_run"][arm] for w in warms} for arm in arms},
+            "table": pooled["table"], "means": means, "comparisons": comparisons, "evaluation": evaluation,
+            "resamples": resamples, "run_time_s": None if None in times else sum(times),
+            "per_warm": {w: {k: per_warm[w][k] for k in ("table", "comparisons", "evaluation")} for w in warms}}
+
+
 def summarize(curves: dict, resamples: int = 10_000, baselines=BASELINES) -> dict:
     """Per-run metrics, per-arm mean ± std, paired comparisons with the baselines and one evaluation's noise."""
     per_run = {arm: {seed: stats.run_metrics(c["val"], c["train"]) for seed, c in runs.items()}
@@ -244,13 +505,37 @@ def _cell(value: dict | None, digits: int = 3) -> str:
     return text + (f" ± {value['std']:.{digits}f}" if value["n"] > 1 else "")
 
 
+def _ci_text(result: dict, digits: int = 3, sign: str = "+") -> str:
+    ci = result["ci"]
+    return "–" if ci is None else f"[{ci[0]:{sign}.{digits}f}, {ci[1]:{sign}.{digits}f}]"
+
+
+def _comparison_rows(arm: str, comparison: dict, metrics, multi: bool) -> list[str]:
+    rows = []
+    for metric in metrics:
+        result = comparison["metrics"][metric]
+        mean = "–" if result["mean"] is None else f"{result['mean']:+.3f}"
+        cells = [arm, metric, mean, _ci_text(result), str(result["n"])]
+        if multi:
+            agree = result["sign_holds_on_every_warm"]
+            cells += [" / ".join(f"{v:+.3f}" for v in result["per_warm"].values()) or "–",
+                      "–" if agree is None else ("yes" if agree else "no")]
+        rows.append("| " + " | ".join(cells + [result["verdict"]]) + " |")
+    return rows
+
+
 def format_summary(summary: dict) -> str:
+    multi = "per_warm" in summary
     ev = summary["evaluation"]
     columns = [*stats.METRICS, "anchors_found", "ref_val_end", "collapsed"]
-    lines = [f"# Study: {', '.join(summary['arms'])} × seeds {summary['seeds']}", "",
-             f"Recipe `{summary['recipe']}`{' (smoke)' if summary['smoke'] else ''}, model `{summary['model']}`. "
+    over = "all runs (warm checkpoints × seeds)" if multi else "seeds"
+    lines = [f"# Study: {', '.join(summary['arms'])} × "
+             + (f"warm-up seeds {summary['warmup_seeds']} × " if multi else "") + f"seeds {summary['seeds']}", "",
+             f"Recipe `{summary['recipe']}`{' (smoke)' if summary['smoke'] else ''}, "
+             + (f"models (warm-up seed: warm checkpoint) {', '.join(f'{w}: `{p}`' for w, p in summary['model'].items())}. "
+                if multi else f"model `{summary['model']}`. ") +
              f"Validation: {ev['metric']} on {ev['problems']} held-out problems × {ev['samples']} samples. "
-             "Mean ± sample std over seeds; `auc` = area under the validation curve / step span (trapezoid rule); "
+             f"Mean ± sample std over {over}; `auc` = area under the validation curve / step span (trapezoid rule); "
              "`final_train_reward` = mean of the last 10% of logged on-policy rewards; `collapsed` = seeds whose final "
              f"validation is ≥ {stats.COLLAPSE_DROP} below its peak and below its start while training reward rose; "
              "`ref_val_end` = held-out accuracy of the π_ref in use at the end (the run's validation at the step "
@@ -274,24 +559,77 @@ def format_summary(summary: dict) -> str:
                      f"{ev['start_std_over_seeds']:.4f}")
     if noise:
         lines += ["", "Evaluation noise: " + "; ".join(noise) + "."]
+    if multi:
+        lines += ["", f"Warm checkpoints: the mean step-0 evaluation differs across them by a std of "
+                  f"{ev['start_std_over_warms']:.4f}.", "",
+                  "## Means with hierarchical 95% CIs (the mean of the warm checkpoints' means)", "",
+                  "| arm | " + " | ".join(stats.MEANS) + " |", "|" + "---|" * (len(stats.MEANS) + 1)]
+        for arm, row in summary["means"].items():
+            lines.append(f"| {arm} | " + " | ".join(
+                "–" if row[m]["mean"] is None else f"{row[m]['mean']:.3f} {_ci_text(row[m], sign='')}"
+                for m in stats.MEANS) + " |")
+        records = {r["seed"]: r for r in summary.get("warmups", [])}
+        per_warm_columns = ("start", "peak", "final", "min_after_peak", "auc", "collapsed")
+        for w, part in summary["per_warm"].items():
+            record = records.get(w)
+            lines += ["", f"## Warm checkpoint {w} (warm-up seed {w})" + (
+                f": {record['steps']} warm-up steps, calibration avg@4 {record['calibration_avg@4']:.3f}"
+                if record else ""), "",
+                "| arm | " + " | ".join(per_warm_columns) + " |", "|" + "---|" * (len(per_warm_columns) + 1)]
+            for arm, row in part["table"].items():
+                lines.append(f"| {arm} | " + " | ".join(_cell(row[c]) for c in per_warm_columns) + " |")
+    header = ["| arm | metric | mean diff | 95% CI | " + ("runs | per warm | sign on every warm | " if multi else
+                                                        "seeds | ") + "verdict |",
+              "|---|---|---|---|---|" + ("---|---|" if multi else "") + "---|"]
+    pairing = "same warm checkpoint and seed" if multi else "same seed"
+    if summary.get("primary"):
+        lines += ["", f"## Primary comparisons ({pairing}, shared validation steps)", "", *header]
+        for entry in summary["primary"]:
+            lines += _comparison_rows(f"{entry['arm']} − {entry['baseline']}", entry, stats.PRIMARY, multi)
     for base, by_arm in summary["comparisons"].items():
-        lines += ["", f"## Paired differences: arm − {base} (same seed, shared validation steps)", "",
-                  "| arm | metric | mean diff | 95% CI | seeds | verdict |", "|---|---|---|---|---|---|"]
+        lines += ["", f"## Paired differences: arm − {base} ({pairing}, shared validation steps)", "", *header]
         for arm, comparison in by_arm.items():
-            for metric, result in comparison["metrics"].items():
-                ci = result["ci"]
-                mean = "–" if result["mean"] is None else f"{result['mean']:+.3f}"
-                ci_text = "–" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
-                lines.append(f"| {arm} | {metric} | {mean} | {ci_text} | {result['n']} | {result['verdict']} |")
-    lines += ["", f"Confidence intervals: percentile bootstrap of the mean paired difference over seeds "
-              f"({summary['resamples']} resamples, seeded). With few seeds it is narrow and optimistic: it never "
-              "extends beyond the smallest and largest per-seed difference (with 3 seeds it is exactly that range), "
-              "so 'higher'/'lower' then means only that every seed agreed.",
-              "", f"{summary['runs_executed']} run(s) executed now ({summary['workers']} worker(s)), "
+            lines += _comparison_rows(arm, comparison, comparison["metrics"], multi)
+    if multi:
+        lines += ["", f"Confidence intervals: hierarchical percentile bootstrap ({summary['resamples']} resamples, "
+                  "seeded): warm checkpoints drawn with replacement, then seeds within each drawn one; the estimate "
+                  "is the mean of the warm checkpoints' means. `per warm`: the mean difference on each warm "
+                  "checkpoint; `sign on every warm`: every one of them has the overall mean's (non-zero) sign. With "
+                  f"{len(summary['per_warm'])} warm checkpoints the interval knows the warm-up's variance only "
+                  "from those few: a finding that holds on every warm checkpoint is the stronger statement."]
+    else:
+        lines += ["", f"Confidence intervals: percentile bootstrap of the mean paired difference over seeds "
+                  f"({summary['resamples']} resamples, seeded). With few seeds it is narrow and optimistic: it never "
+                  "extends beyond the smallest and largest per-seed difference (with 3 seeds it is exactly that "
+                  "range), so 'higher'/'lower' then means only that every seed agreed."]
+    for alias, choice in (summary.get("selection") or {}).items():
+        scores = ", ".join(f"{arm} {score['mean']:.3f}" for arm, score in choice["scores"].items()
+                           if score["mean"] is not None)
+        lines += ["", f"`{alias}` = `{choice['chosen']}`: the best mean {choice['metric']} among {choice['among']} "
+                  f"on tuning seeds {choice['tuning_seeds']} (never reporting seeds): {scores}."]
+    lines += ["", f"{summary['runs_executed']} run(s) executed now ({summary['workers']} worker(s)), "
               f"{summary['wall_time_s']:.0f} s."]
     if summary.get("run_time_s") is not None:
-        lines[-1] += (f" All {sum(len(s) for s in summary['per_run'].values())} runs took {summary['run_time_s']:.0f} "
+        runs = sum(len(s) for s in summary["per_run"].values()) if not multi else sum(
+            len(seeds) for by_warm in summary["per_run"].values() for seeds in by_warm.values())
+        lines[-1] += (f" All {runs} runs took {summary['run_time_s']:.0f} "
                       "s of run time in all (each run's own wall time, summed; parallel runs overlap).")
+    if summary.get("warmups") and not multi:
+        record = summary["warmups"][0]
+        lines[-1] += (f" Warm checkpoint: warm-up seed {record['seed']}, {record['steps']} steps, calibration avg@4 "
+                      f"{record['calibration_avg@4']:.3f} (target {record['target_accuracy']}).")
+    if summary.get("machine"):
+        m, times = summary["machine"], [r["wall_time_s"] for r in summary.get("runs", []) if r["wall_time_s"]]
+        lines += ["", f"Machine: {m['cpu_model']}, {m['cpu_cores']} cores, {m['torch_threads_per_run']} torch "
+                  f"thread(s) per run" + (f"; run wall time {statistics.fmean(times):.0f} s on average "
+                                          f"({min(times):.0f}–{max(times):.0f} s, {len(times)} runs)." if times else ".")]
+    git = summary.get("git") or {}
+    if git.get("commit"):
+        lines[-1] += f" Code: commit {git['commit'][:12]}{' (with uncommitted changes)' if git['uncommitted_changes'] else ''}."
+    if git.get("preregistration"):
+        reg = git["preregistration"]
+        lines[-1] += (f" Pre-registration: `{reg['file']}` at commit {reg['commit'] or '(none: not committed)'}"
+                      f"{' (with uncommitted changes)' if reg['uncommitted_changes'] else ''}.")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,116 @@
+"""ArmorMetrics.loss_ratios: clip shares and ratio deviations per row type, on scripted tensors and in training."""
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+from armor_trl.armor_metrics import ArmorMetrics
+from armor_trl.mixture import clip_masks, mixed_ratio
+from testing import logged, make_trainer
+
+
+class OneProcess:
+    """The accelerator calls ArmorMetrics makes, for one process."""
+
+    def reduce(self, tensor, reduction):
+        return tensor
+
+    def gather(self, tensor):
+        return tensor
+
+
+def metrics_of(inputs, logps, ref_logps=None, alpha=0.5, eps=(0.2, 0.28), level="token") -> dict:
+    trainer = SimpleNamespace(accelerator=OneProcess(), _metrics={"train": defaultdict(list)})
+    ArmorMetrics(trainer).loss_ratios(inputs, logps, None, ref_logps, alpha, *eps, level)
+    return {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+
+def scripted_batch():
+    torch.manual_seed(0)
+    logps = -torch.rand(6, 5) * 3
+    return {
+        "completion_mask": torch.tensor([[1, 1, 1, 1, 0]] * 5 + [[0, 0, 0, 0, 0]]),
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -2.0, 1.0, 1.0]),
+        "armor_is_anchor": torch.tensor([False, False, False, True, True, False]),
+        "old_per_token_logps": logps + torch.randn(6, 5),  # far from π_θ: many tokens outside the clip range
+    }, logps, logps - torch.rand(6, 5)
+
+
+def test_clip_masks_are_trls_one_sided_tests():
+    ratio = torch.tensor([[0.5, 0.9, 1.0, 1.5], [0.5, 1.1, 1.3, 2.0]])
+    advantages = torch.tensor([-1.0, 1.0])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    low, high = clip_masks(ratio, advantages, mask, 0.2, 0.28)
+    # low: r < 0.8 with A < 0 (row 0 only); high: r > 1.28 with A > 0 (row 1 only); masked tokens never count
+    assert low.tolist() == [[True, False, False, False], [False, False, False, False]]
+    assert high.tolist() == [[False, False, False, False], [False, False, True, True]]
+    per_token = clip_masks(ratio, advantages.unsqueeze(1).expand(2, 4), mask, 0.2, 0.28)
+    assert all(torch.equal(a, b) for a, b in zip(per_token, (low, high)))
+
+
+def test_the_mixed_clip_shares_count_what_the_loss_clips():
+    inputs, logps, ref = scripted_batch()
+    got = metrics_of(inputs, logps, ref, alpha=0.5)
+    mask = inputs["completion_mask"].bool()
+    ratio = mixed_ratio(logps, inputs["old_per_token_logps"], ref, 0.5)
+    adv = inputs["advantages"].unsqueeze(1)
+    low = (ratio < 0.8) & (adv < 0) & mask
+    high = (ratio > 1.28) & (adv > 0) & mask
+    anchor = inputs["armor_is_anchor"].unsqueeze(1) & mask
+    policy = ~inputs["armor_is_anchor"].unsqueeze(1) & mask
+    assert low.sum() > 0 and high.sum() > 0  # the scripted case makes the mixed clip bind both ways
+    assert got["armor/clip_low_frac"] == low.sum().item() / mask.sum().item()
+    assert got["armor/clip_high_frac"] == high.sum().item() / mask.sum().item()
+    for kind, rows in (("policy", policy), ("anchor", anchor)):
+        assert math.isclose(got[f"armor/{kind}_clip_low_frac"], (low & rows).sum().item() / rows.sum().item())
+        assert math.isclose(got[f"armor/{kind}_clip_high_frac"], (high & rows).sum().item() / rows.sum().item())
+        deviation = (ratio - 1).abs()[rows]
+        assert math.isclose(got[f"armor/{kind}_abs_mixed_ratio_dev_max"], deviation.max().item(), rel_tol=1e-6)
+        assert math.isclose(got[f"armor/{kind}_abs_mixed_ratio_dev_mean"], deviation.mean().item(), rel_tol=1e-5)
+        plain = (torch.exp(logps - inputs["old_per_token_logps"]) - 1).abs()[rows]
+        assert math.isclose(got[f"armor/{kind}_abs_ratio_dev_max"], plain.max().item(), rel_tol=1e-6)
+        assert math.isclose(got[f"armor/ratio_{kind}_min"], ratio[rows].min().item(), rel_tol=1e-6)
+
+
+def test_without_the_mixed_ratio_the_plain_ratio_is_clipped_and_no_mixed_metric_is_logged():
+    inputs, logps, _ = scripted_batch()
+    got = metrics_of(inputs, logps)
+    mask = inputs["completion_mask"].bool()
+    ratio = torch.exp(logps - inputs["old_per_token_logps"])
+    low = (ratio < 0.8) & (inputs["advantages"].unsqueeze(1) < 0) & mask
+    assert low.sum() > 0 and got["armor/clip_low_frac"] == low.sum().item() / mask.sum().item()
+    assert not any("mixed" in name or "kl_" in name for name in got)
+    # sequence-level importance sampling clips each row's ratio exp(mean log-ratio), as TRL's loss does
+    inputs["old_per_token_logps"][1] = logps[1] + 1.0  # row 1 (A < 0): sequence ratio e^-1, clipped low
+    sequence = metrics_of(inputs, logps, level="sequence")
+    log_ratio = ((logps - inputs["old_per_token_logps"]) * mask).sum(1) / mask.sum(1).clamp(min=1)
+    rows = (log_ratio.exp() < 0.8) & (inputs["advantages"] < 0)
+    assert rows[1] and sequence["armor/clip_low_frac"] > 0
+    assert sequence["armor/clip_low_frac"] == (mask.sum(1) * rows).sum().item() / mask.sum().item()
+
+
+def test_on_policy_rows_without_old_logps_have_ratio_one_and_anchor_metrics_need_anchor_tokens():
+    inputs, logps, ref = scripted_batch()
+    del inputs["old_per_token_logps"]  # TRL's one-step regime: π_old = π_θ
+    inputs["armor_is_anchor"] = torch.zeros(6, dtype=torch.bool)
+    got = metrics_of(inputs, logps, ref)
+    assert got["armor/clip_low_frac"] == got["armor/clip_high_frac"] == 0.0
+    assert got["armor/policy_abs_ratio_dev_max"] == got["armor/policy_abs_mixed_ratio_dev_max"] == 0.0
+    assert not any(name.startswith(("armor/anchor_", "armor/ratio_anchor")) for name in got)  # no anchor tokens
+
+
+def test_the_mixed_ratio_leaves_one_from_the_second_mini_batch_of_a_rollout_batch(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    # one rollout batch of 8 prompts x 4, split into 4 mini-batches with one optimizer step each, at a high lr
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, per_device_train_batch_size=8,
+                           steps_per_generation=4, max_steps=4, learning_rate=0.05, use_anchors=False,
+                           armor_alpha=0.7)
+    trainer.train()
+    deviation = logged(trainer, "armor/policy_abs_mixed_ratio_dev_max")
+    assert len(deviation) == 4
+    assert deviation[0] < 1e-5  # the first mini-batch: π_θ = π_old (up to the batching of the forward passes)
+    assert min(deviation[1:]) > 1e-3  # the policy has moved away from π_old within the rollout batch
+    assert all(value > 1e-3 for value in logged(trainer, "armor/policy_abs_ratio_dev_max")[1:])
