@@ -389,3 +389,12 @@ def test_preregistration_commit_is_recorded(tmp_path):
     assert study.provenance(repo / "prereg.md")["preregistration"]["uncommitted_changes"] is True
     (repo / "new.md").write_text("x")
     assert study.provenance(repo / "new.md")["preregistration"]["commit"] is None
+
+
+def test_a_recipes_primary_comparisons_of_arms_not_run_are_left_out(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"base: {REPO / 'configs' / 'tiny_demo.yaml'}\nstudy: {{primary: [[armor, grpo]]}}\n")
+    out = tmp_path / "study" / "grpo_only"
+    assert main(["study", "--config", str(recipe), "--smoke", "--arms", "grpo", "--seeds", "1", "--workers", "1",
+                 "--resamples", "200", "--output_dir", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["primary"] == []

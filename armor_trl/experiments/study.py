@@ -310,7 +310,10 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
     if baselines is not None and set(baselines) - set(all_arms) - set(selection):
         raise ValueError(f"Unknown baseline arm(s) {sorted(set(baselines) - set(all_arms) - set(selection))}; known "
                          f"arms: {', '.join(all_arms)}.")
-    primary = load_primary(primary if primary is not None else section.get("primary"), names)
+    if primary is None:  # the recipe's primary comparisons: those whose arms both run (a study of some arms only)
+        primary = [pair for pair in section.get("primary") or []
+                   if not isinstance(pair, (list, tuple)) or all(arm in names for arm in pair)]
+    primary = load_primary(primary, names)
     seeds = seeds if seeds is not None else section.get("seeds", DEFAULT_SEEDS)
     if not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"--seeds must be an integer >= 1, got {seeds!r}")
