@@ -319,7 +319,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         ref_logps = inputs.get("armor_ref_logps") if self.args.use_mixed_ratio else None
         alpha, replace, loss_inputs = self.armor_alpha, (lambda logps: logps), inputs  # identity: plain ratio
         if ref_logps is not None:
-            loss_inputs = self._mixed_old_inputs(inputs, ref_logps, alpha)[0]
+            loss_inputs = self._mixed_old_inputs(inputs, ref_logps, alpha)
             replace = lambda logps: mixed_logprobs(logps, ref_logps, alpha)  # noqa: E731
         with seam.loss_logps_replaced(self, replace) as policy:  # also keeps the loss's log-probs for the metrics
             loss = super()._compute_loss(model, loss_inputs)
@@ -327,7 +327,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
                                        self.epsilon_low, self.epsilon_high, self.importance_sampling_level)
         return loss
 
-    def _mixed_old_inputs(self, inputs: dict, ref_logps: torch.Tensor, alpha: float):
+    def _mixed_old_inputs(self, inputs: dict, ref_logps: torch.Tensor, alpha: float) -> dict:
         """The old policy's (and vLLM's sampling) log-probs as mixtures with π_ref, so TRL's ratio is r_mix."""
         old_logps = inputs.get("old_per_token_logps")
         mixed_old = None if old_logps is None else mixed_logprobs(old_logps, ref_logps, alpha)
@@ -341,7 +341,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
             if mixed_old is not None:
                 mixed_sampling = torch.where(torch.isnan(sampling), mixed_old, mixed_sampling)
             inputs = {**inputs, "sampling_per_token_logps": mixed_sampling}
-        return inputs, mixed_old
+        return inputs
 
     def save_model(self, output_dir: str | None = None, *args, **kwargs):
         if self.reference is None:

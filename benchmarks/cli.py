@@ -62,6 +62,15 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
     parser.add_argument("--mini-batches", default=",".join(map(str, bench.regime["mini_batches"])),
                         help="regime: optimizer steps per rollout batch (steps_per_generation), comma-separated")
     parser.add_argument("--no-regime", action="store_true", help="skip the regime runs")
+    parser.add_argument("--regime-reps", type=int, default=None, help="regime repetitions (default: the preset's)")
+    parser.add_argument("--max-load", type=float, default=d["max_load"],
+                        help="repeat a run when the 1-min load average before or after it exceeds this (default: CPUs)")
+    parser.add_argument("--load-retries", type=int, default=d["load_retries"], help="repeats per busy run, at most")
+    parser.add_argument("--plot", default=None, help="also write the regime plot (PNG) here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: the preset's (cpu)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="generate with TRL's colocated vLLM engine (needs vllm and --device cuda)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would run, then stop (nothing trains)")
     parser.add_argument("--from-json", default=None, help="recompute summary and tables from a saved bench.json")
     parser.add_argument("--bench-config", default=str(config.CONFIG_FILE), help="the variants, targets and presets")
     args = parser.parse_args(argv)
@@ -81,23 +90,100 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
         args.whatif_repeats = bench.presets[args.preset]["whatif_repeats"]
     mini_batches = [int(m) for m in args.mini_batches.split(",") if m.strip()] if not args.no_regime else []
     args.regime = regime.plan(bench, bench.presets[args.preset], args.variants, mini_batches, args.shape, args.g)
+    if args.regime and args.regime_reps is not None:
+        if args.regime_reps < 1:
+            parser.error("--regime-reps must be at least 1")
+        args.regime["reps"] = args.regime_reps
+    preset = bench.presets[args.preset]
+    args.arch = preset.get("arch", "llama")
+    args.device = args.device or preset.get("device", "cpu")
+    args.training = dict(preset.get("training", {}))
+    if args.device == "cpu":
+        args.training.update(use_cpu=True, bf16=False)  # a GPU preset run on CPU (structure checks)
+    if args.vllm:
+        if args.device != "cuda":
+            parser.error("--vllm needs --device cuda (vLLM does not run on CPU here)")
+        args.training.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+    if not args.dry_run and not args.from_json:
+        import importlib.util
+
+        import torch
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--preset {args.preset} trains on CUDA, which this machine lacks (use --device cpu with a "
+                         "smaller --hidden/--layers to check the path, or --dry-run)")
+        if args.vllm and importlib.util.find_spec("vllm") is None:
+            parser.error("--vllm needs the vllm package (pip install 'armor-trl[vllm]')")
+    if args.max_load is None:
+        args.max_load = float(os.cpu_count() or 1)
+    if args.load_retries < 0:
+        parser.error("--load-retries must be >= 0")
     return args
 
 
-def rerender(source: Path, out: Path, bench: config.BenchConfig) -> int:
+def rerender(source: Path, out: Path, bench: config.BenchConfig, plot_path: str | None = None) -> int:
     """Summary, targets and tables again from the raw runs of a saved bench.json (no training)."""
     result = json.loads(source.read_text())
     result["summary"] = summary.summarize(result["runs"], result["meta"]["warmup"], bench)
     result["targets"] = summary.check_targets(result["summary"], bench)
     if "regime" in result:
         result["regime"]["summary"] = regime.summarize(result["regime"]["runs"], bench)
+        result["regime"]["targets"] = regime.check_targets(result["regime"]["summary"], bench)
     print(report.write(result, out, bench))
+    write_plots(result, bench, out, plot_path)
     return 0
+
+
+def write_plots(result: dict, bench: config.BenchConfig, out: Path, extra: str | None) -> None:
+    """The regime plot: ``out``/regime.png, and at ``extra`` too when given."""
+    if "regime" not in result:
+        return
+    from benchmarks import plot
+
+    for path in [out / "regime.png"] + ([Path(extra)] if extra else []):
+        plot.regime_plot(result, bench, path)
 
 
 def _rotated(items: list, rep: int) -> list:
     """The schedule of repetition ``rep``: rotated, so that no run is always first."""
     return items[rep % len(items):] + items[: rep % len(items)]
+
+
+def dry_run(args) -> str:
+    """What a run would do: preset, model, device, the main runs and the regime runs."""
+    shape, lines = args.shape, []
+    lines.append(f"preset {args.preset}: {args.arch} hidden={shape['hidden']} layers={shape['layers']} on {args.device}, "
+                 f"training overrides {args.training or 'none'}")
+    lines.append(f"main: {len(args.variants)} variants x {shape['reps']} repetition(s), {shape['steps']} steps of "
+                 f"{shape['batch']} rows: {', '.join(args.variants)}")
+    if args.regime:
+        runs = regime.runs_of(args.regime)
+        lines.append(f"regime: M in {args.regime['mini_batches']}, {args.regime['reps']} repetition(s) of {len(runs)} "
+                     f"runs ({sum(r[2] for r in runs)} optimizer steps each): {', '.join(args.regime['variants'])}")
+    lines.append(f"busy machine: repeat a run up to {args.load_retries} time(s) above load {args.max_load:.1f}")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def measured_run(submit, fn, payload: dict, max_load: float, retries: int) -> dict:
+    """``fn(payload)`` in a fresh process, repeated (up to ``retries`` times) while the 1-min load average before or
+    after it exceeds ``max_load``; the last attempt is kept, every attempt's load recorded."""
+    attempts = []
+    for _ in range(retries + 1):
+        before = os.getloadavg()[0]
+        run = submit(fn, payload)
+        attempts.append([before, os.getloadavg()[0]])
+        if max(attempts[-1]) <= max_load:
+            break
+    run["load"], run["load_attempts"] = attempts[-1], attempts
+    return run
 
 
 def measure(args, bench: config.BenchConfig, logs: Path) -> dict:
@@ -116,7 +202,8 @@ def measure(args, bench: config.BenchConfig, logs: Path) -> dict:
     shape, preset = args.shape, bench.presets[args.preset]
     with tempfile.TemporaryDirectory(prefix="armor-bench-") as tmp:
         base = dict(seed=args.seed, threads=args.threads, k=args.k, g=args.g, hidden=shape["hidden"],
-                    layers=shape["layers"], completion=shape["completion"], prompts=shape["prompts"])
+                    layers=shape["layers"], completion=shape["completion"], prompts=shape["prompts"],
+                    arch=args.arch, device=args.device, training=args.training)
         calibration = submit(build_and_calibrate, {
             **base, "model_dir": os.path.join(tmp, "model"), "target_found": args.target_found,
             "calibration_draws": preset["calibration_draws"], "log": str(logs / "calibrate.log"),
@@ -135,14 +222,14 @@ def measure(args, bench: config.BenchConfig, logs: Path) -> dict:
         runs = []
         for rep in range(shape["reps"]):
             for position, name in enumerate(_rotated(args.variants, rep)):
-                run = submit(run_variant, {
+                run = measured_run(submit, run_variant, {
                     **base, "batch": shape["batch"], "steps": shape["steps"], "variant": bench.variants[name],
                     "bench": bench, "rep": rep, "order": position, "model_path": calibration["model_path"],
                     "threshold": calibration["threshold"], "output_dir": os.path.join(tmp, f"{name}-{rep}"),
                     "lr": args.lr, "lr_lora": args.lr_lora, "reset_repeats": args.reset_repeats,
                     "whatif_repeats": args.whatif_repeats, "log": str(logs / f"{name}-{rep}.log"),
                     "anchors_path": pregeneration and pregeneration["path"],
-                })
+                }, args.max_load, args.load_retries)
                 steps = [s["step_s"] for s in run["steps"][shape["warmup"]:]] or [run["steps"][-1]["step_s"]]
                 print(f"rep {rep + 1}/{shape['reps']} {name:15s} median {statistics.median(steps):.3f} s/step, "
                       f"peak RSS {run['peak_rss_mb']:.0f} MB, load {os.getloadavg()[0]:.2f}", flush=True)
@@ -164,16 +251,17 @@ def _measure_regime(args, bench, submit, base: dict, calibration: dict, logs: Pa
     runs, schedule = [], regime.runs_of(plan)
     for rep in range(plan["reps"]):
         for position, (name, m, steps, warmup_steps) in enumerate(_rotated(schedule, rep)):
-            run = submit(run_variant, {
+            run = measured_run(submit, run_variant, {
                 **base, "batch": plan["batch"], "steps": steps, "mini_batches": m, "warmup_steps": warmup_steps,
                 "variant": bench.variants[name], "bench": bench, "rep": rep, "order": position,
                 "model_path": calibration["model_path"], "threshold": calibration["threshold"],
                 "output_dir": os.path.join(tmp, f"regime-{name}-{m}-{rep}"), "lr": args.lr, "lr_lora": args.lr_lora,
                 "log": str(logs / f"regime-{name}-M{m}-{rep}.log"), "anchors_path": anchors and anchors["path"],
-            })
+            }, args.max_load, args.load_retries)
             cost = statistics.mean(s["step_s"] for s in run["steps"][warmup_steps:])
-            print(f"regime rep {rep + 1}/{plan['reps']} {name:15s} M={m:<3d} {cost:.3f} s per optimizer step, "
-                  f"peak RSS {run['peak_rss_mb']:.0f} MB, load {os.getloadavg()[0]:.2f}", flush=True)
+            print(f"regime rep {rep + 1}/{plan['reps']} {name:20s} M={m:<3d} {cost:.3f} s per optimizer step, "
+                  f"peak RSS {run['peak_rss_mb']:.0f} MB, load {max(run['load']):.2f} "
+                  f"({len(run['load_attempts'])} attempt(s))", flush=True)
             runs.append(run)
     return {"meta": {**plan, "pregeneration": anchors}, "runs": runs}
 
@@ -184,7 +272,10 @@ def main(argv: list | None = None) -> int:
     bench = config.load(first.parse_known_args(argv)[0].bench_config)
     args = parse_args(argv, bench)
     if args.from_json:
-        return rerender(Path(args.from_json), Path(args.out), bench)
+        return rerender(Path(args.from_json), Path(args.out), bench, args.plot)
+    if args.dry_run:
+        print(dry_run(args))
+        return 0
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     started, load_before = time.perf_counter(), list(os.getloadavg())
@@ -201,7 +292,9 @@ def main(argv: list | None = None) -> int:
             "threads": args.threads, "threshold": calibration["threshold"],
             "calibration_found_frac": calibration["calibration_found_frac"], "configs": args.variants,
             "load_before": load_before, "load_after": list(os.getloadavg()), "cpus": os.cpu_count(),
-            "wall_s": time.perf_counter() - started, "python": platform.python_version(),
+            "wall_s": time.perf_counter() - started, "python": platform.python_version(), "cpu_model": cpu_model(),
+            "max_load": args.max_load, "load_retries": args.load_retries,
+            "arch": args.arch, "device": args.device, "training_overrides": args.training,
             "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "baseline": bench.baseline,
             "lora_baseline": bench.lora_baseline, "pregeneration": pregeneration,
@@ -215,7 +308,9 @@ def main(argv: list | None = None) -> int:
     if measured["regime_runs"]:
         regime_runs = measured["regime_runs"]
         result["regime"] = {**regime_runs, "summary": regime.summarize(regime_runs["runs"], bench)}
+        result["regime"]["targets"] = regime.check_targets(result["regime"]["summary"], bench)
     text = report.write(result, out, bench)
+    write_plots(result, bench, out, args.plot)
     print()
     print(text)
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")

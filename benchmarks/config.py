@@ -53,7 +53,7 @@ class BenchConfig:
     defaults: dict
     training: dict
     lora: dict
-    regime: dict  # {"variants": [...], "mini_batches": [...]}
+    regime: dict  # {"variants": [...], "mini_batches": [...], "targets": [...]}
 
     @property
     def baselines(self) -> tuple:
@@ -96,4 +96,9 @@ def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
             raise ValueError(f"{path}: target {target.label!r}: quantity must be one of {QUANTITIES}")
     if any(not isinstance(m, int) or m < 1 for m in config.regime["mini_batches"]):
         raise ValueError(f"{path}: regime mini_batches must be positive integers")
+    for target in config.regime.get("targets", []):
+        if target["variant"] not in config.regime["variants"] or target["base"] not in config.regime["variants"]:
+            raise ValueError(f"{path}: regime target {target}: variant and base must be regime variants")
+        if target["quantity"] not in ("step", "rss") or not (target["m"] == "all" or isinstance(target["m"], int)):
+            raise ValueError(f"{path}: regime target {target}: quantity is step or rss, m an integer or 'all'")
     return config

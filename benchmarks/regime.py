@@ -61,6 +61,8 @@ def summarize(runs: list, bench: BenchConfig) -> dict:
                         for p in PARTS},
             "peak_rss_mb": stats([run["peak_rss_mb"] for run in group]),
             "measured_steps": len(measured[0]),
+            "load": stats([max(run["load"]) for run in group if "load" in run] or [math.nan]),
+            "repeated_runs": sum(len(run.get("load_attempts", [])) > 1 for run in group),
         }
     for name, by_m in summary.items():
         for m, entry in by_m.items():
@@ -68,6 +70,24 @@ def summarize(runs: list, bench: BenchConfig) -> dict:
                 if base in summary and m in summary[base]:
                     entry["vs_" + base] = _ratios(groups[(name, int(m))], groups[(base, int(m))])
     return summary
+
+
+def check_targets(summary: dict, bench: BenchConfig) -> list:
+    """Issue 20's targets (bench.yaml regime.targets): per (variant, M) the ratio of medians and its paired range."""
+    rows = []
+    for target in bench.regime.get("targets", []):
+        variant, base, quantity = target["variant"], target["base"], target["quantity"]
+        by_m = summary.get(variant, {})
+        ms = list(by_m) if target["m"] == "all" else [str(target["m"])]
+        for m in ms:
+            ratios = by_m.get(m, {}).get("vs_" + base)
+            if ratios is None:
+                continue
+            paired = ratios[quantity + "_paired"]
+            rows.append({"target": f"{quantity} {variant} / {base} at M={m} <= {target['bound']:.2f}",
+                         "measured": ratios[quantity], "paired_min": paired["min"], "paired_max": paired["max"],
+                         "met": ratios[quantity] <= target["bound"]})
+    return rows
 
 
 def _ratios(runs: list, base_runs: list) -> dict:
@@ -97,20 +117,29 @@ def table(regime: dict, bench: BenchConfig) -> list:
         f"(steps_per_generation = M): mean over whole rollout batches (at least {meta['measured_steps']} optimizer "
         f"steps) after {meta['warmup_cycles']} warm-up rollout batch(es), median over {meta['reps']} repetition(s) "
         f"[min–max]; ratios at the same M, paired by repetition; {meta['prompts']} prompts. Phases in s per optimizer "
-        "step (ref_fwd includes the old-policy log-probs TRL computes when M > 1).",
+        "step (ref_fwd includes the old-policy log-probs TRL computes when M > 1; same-call rounds reuse those as "
+        "π_ref's and sample the candidates inside policy_gen). load: median over repetitions of the highest 1-min "
+        "load average seen before or after the run.",
         "",
         f"| config | M | s/opt step [min–max] | × {base} (paired) | × {lora} (paired) | × RSS {base} | "
-        + " | ".join(TABLE_PARTS) + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(TABLE_PARTS),
+        + " | ".join(TABLE_PARTS) + " | load |",
+        "|---|---|---|---|---|---|" + "---|" * len(TABLE_PARTS) + "---|",
     ]
     for name, by_m in summary.items():
         for m, e in by_m.items():
             c, v, vl = e["cost_per_step_s"], e.get("vs_" + base, {}), e.get("vs_" + lora, {})
+            load = e.get("load", {}).get("median")
             lines.append(
                 f"| {name} | {m} | {f(c['median'], 3)} [{f(c['min'], 3)}–{f(c['max'], 3)}] | {_ratio_cell(v)} | "
                 f"{_ratio_cell(vl)} | {f(v.get('rss'), 3)} | "
-                + " | ".join(f"{e['split_s'][p]:.3f}" for p in TABLE_PARTS) + " |"
+                + " | ".join(f"{e['split_s'][p]:.3f}" for p in TABLE_PARTS) + f" | {f(load)} |"
             )
+    targets = regime.get("targets") or []
+    if targets:
+        lines += ["", "Regime targets (ratio of medians; paired range over repetitions):", "",
+                  "| target | measured | paired range | met |", "|---|---|---|---|"]
+        lines += [f"| {t['target']} | {t['measured']:.3f} | {t['paired_min']:.3f}–{t['paired_max']:.3f} | "
+                  f"{'yes' if t['met'] else 'NO'} |" for t in targets]
     return lines
 
 

@@ -25,7 +25,9 @@ def _header(meta: dict) -> list:
         f"{meta['reps']} repetition(s) round-robin, one process per run, torch threads={meta['threads']}, "
         f"anchor_reward_threshold={meta['threshold']:.3f} (calibrated: {meta['calibration_found_frac']:.2f} of groups "
         f"find an anchor at start). Load average (1/5/15 min) before {load(meta['load_before'])}, after "
-        f"{load(meta['load_after'])}, on {meta['cpus']} CPUs; wall {meta['wall_s']:.0f} s.",
+        f"{load(meta['load_after'])}, on {meta['cpus']} CPUs ({meta.get('cpu_model', 'CPU model not recorded')}); "
+        f"wall {meta['wall_s']:.0f} s. A run is repeated (up to {meta.get('load_retries', 0)} time(s)) when the 1-min "
+        f"load before or after it exceeds {meta.get('max_load', float('nan')):.1f}.",
         "",
     ]
 

@@ -12,7 +12,7 @@ from benchmarks.workload import build_trainer, quiet
 METRICS = (
     "armor/anchor_found_frac", "armor/anchor_cache_hit_frac", "armor/candidates_verified_frac",
     "completions/mean_length", "reward", "armor/policy_reward_mean", "armor/generation_rounds",
-    "armor/groups_kept_frac",
+    "armor/groups_kept_frac", "armor/anchor_same_call",
 )
 
 
@@ -43,6 +43,10 @@ def run_variant(task: dict) -> dict:
         "total_params": sum(p.numel() for p in trainer.model.parameters()),
         "calls": dict(timers.calls),
     }
+    if task.get("device") == "cuda":  # the GPU preset: peak GPU memory next to the process's RSS
+        import torch
+
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     if "mini_batches" in task:
         result.update(mini_batches=task["mini_batches"], warmup_steps=task["warmup_steps"])
     for key in METRICS:

@@ -10,7 +10,7 @@ from benchmarks.instruments import PARTS
 # logged metrics averaged over the measured steps in the summary
 SUMMARY_METRICS = (
     "armor/anchor_found_frac", "armor/anchor_cache_hit_frac", "completions/mean_length",
-    "armor/generation_rounds", "armor/groups_kept_frac",
+    "armor/generation_rounds", "armor/groups_kept_frac", "armor/anchor_same_call",
 )
 
 

@@ -13,7 +13,7 @@ def _policy(trainer):
 def _prompt_ids(trainer, rows: int):
     import torch
 
-    return torch.tensor([trainer.processing_class("12+34=")["input_ids"]] * rows)
+    return torch.tensor([trainer.processing_class("12+34=")["input_ids"]] * rows, device=_policy(trainer).device)
 
 
 def generate_rows(trainer, rows_list: list[int], repeats: int) -> dict:

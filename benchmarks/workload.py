@@ -62,6 +62,32 @@ def quiet(log_path: str | None, threads: int) -> None:
     logging.getLogger("accelerate").setLevel(logging.ERROR)
 
 
+def build_model(settings: dict) -> str:
+    """Write the bench's model with random weights: armor_trl.tiny's Llama, or (arch qwen2) a Qwen2 with
+    Qwen2.5-0.5B's proportions at ``hidden`` x ``layers`` (896 x 24: its shapes, ~0.5B parameters)."""
+    import torch
+
+    from armor_trl.tiny import build_tiny_model, build_tokenizer
+
+    if settings.get("arch", "llama") == "llama":
+        return build_tiny_model(settings["model_dir"], hidden_size=settings["hidden"], num_layers=settings["layers"],
+                                seed=settings["seed"])
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer, hidden = build_tokenizer(), settings["hidden"]
+    heads = max(1, hidden // 64)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 4864 // 896,
+        num_hidden_layers=settings["layers"], num_attention_heads=heads, num_key_value_heads=max(1, heads // 7),
+        max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(settings["seed"])
+    Qwen2ForCausalLM(config).save_pretrained(settings["model_dir"])
+    tokenizer.save_pretrained(settings["model_dir"])
+    return settings["model_dir"]
+
+
 def build_and_calibrate(settings: dict) -> dict:
     """Worker task: write the tiny model and pick ``anchor_reward_threshold`` on the initial model.
 
@@ -72,19 +98,16 @@ def build_and_calibrate(settings: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from armor_trl.tiny import build_tiny_model
-
-    path = build_tiny_model(
-        settings["model_dir"], hidden_size=settings["hidden"], num_layers=settings["layers"], seed=settings["seed"]
-    )
+    path = build_model(settings)
+    device = settings.get("device", "cpu")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
     k, draws = settings["k"], settings["calibration_draws"]
     prompts = [row["prompt"] for row in make_prompts(settings["prompts"], settings["seed"])]
     group_max = []
     torch.manual_seed(settings["seed"] + 1)
     for prompt in prompts:
-        ids = torch.tensor([tokenizer(prompt)["input_ids"]] * (k * draws))
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]] * (k * draws), device=device)
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
@@ -118,7 +141,8 @@ def pregenerate_anchors(settings: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(settings["model_path"])
     dataset = Dataset.from_list(make_prompts(settings["prompts"], settings["seed"]))
     prepare_output(settings["output"], anchor_settings, is_main=True)
-    sampler = TransformersSampler(settings["model_path"], anchor_settings, tokenizer, "cpu", batch_size=settings["prompts"])
+    sampler = TransformersSampler(settings["model_path"], anchor_settings, tokenizer, settings.get("device", "cpu"),
+                                  batch_size=settings["prompts"])
     counts = generate_shards(dataset, anchor_settings, [digit_reward], tokenizer, sampler, settings["output"], progress=False)
     metadata = finalize(settings["output"], anchor_settings, len(dataset), counts["prompts"] / counts["seconds"])
     return {"path": settings["output"], "seconds": counts["seconds"], "prompts": counts["prompts"],
@@ -141,7 +165,7 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
 
     torch.manual_seed(task["seed"])
     common = dict(
-        bench.training, output_dir=task["output_dir"], per_device_train_batch_size=task["batch"],
+        bench.training, **task.get("training", {}), output_dir=task["output_dir"], per_device_train_batch_size=task["batch"],
         num_generations=task["g"], max_completion_length=task["completion"], max_steps=task["steps"],
         learning_rate=task["lr_lora"] if variant.lora else task["lr"], beta=variant.beta, seed=task["seed"],
     )

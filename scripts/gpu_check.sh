@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check (needs CUDA): ARMOR vs GRPO(β=0.04) step time and peak memory on a ~0.5B local model,
-# full and LoRA, bf16; then the vLLM test if vllm is installed, and with 3 GPUs the vLLM reference-server
+# full and LoRA, bf16; the bench's gpu preset (python -m benchmarks --preset gpu: per optimizer step at M = 1, 4, 16,
+# same-call and column anchors, the LoRA mixed-adapter what-if; also with --vllm where vllm is installed); then the
+# vLLM test if vllm is installed, and with 3 GPUs the vLLM reference-server
 # check. Results: $OUT or results/gpu_check/.
 #   scripts/gpu_check.sh [--wheelhouse DIR] [--steps N] [--vllm]
 # Installing: --wheelhouse DIR (or ARMOR_WHEELHOUSE=DIR) installs armor-trl and what the machine lacks from that
@@ -31,6 +33,13 @@ elif ! "$PYTHON" scripts/wheelhouse.py missing; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 HF_HUB_OFFLINE=1 "$PYTHON" scripts/gpu_check.py ${args[@]+"${args[@]}"}
+# issue 20: the bench's tables (one optimizer step per rollout batch, and the paper's regime at M = 1, 4, 16) for a
+# ~0.5B model on this GPU, transformers generation; with vllm installed again with TRL's colocated engine
+bench_out=${OUT:-results/gpu_check}
+HF_HUB_OFFLINE=1 "$PYTHON" -m benchmarks --preset gpu --out "$bench_out/bench"
+if "$PYTHON" -c "import vllm" 2>/dev/null; then
+  HF_HUB_OFFLINE=1 "$PYTHON" -m benchmarks --preset gpu --vllm --out "$bench_out/bench_vllm"
+fi
 if "$PYTHON" -c "import vllm" 2>/dev/null; then
   HF_HUB_OFFLINE=1 "$PYTHON" -m pytest -q -m gpu tests/test_vllm_gpu.py
   # vllm_reference_server_*: a second `trl vllm-serve` holds the reference (needs 3 GPUs: trainer, policy server,

@@ -21,10 +21,11 @@ from benchmarks import config, instruments  # noqa: E402
 BENCH = [sys.executable, "-m", "benchmarks"]
 CONFIGS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
-    "grpo_dynamic", "armor_dynamic", "armor_column", "armor_column_lora",
+    "grpo_dynamic", "armor_dynamic", "armor_same_call", "armor_same_call_lora", "armor_column", "armor_column_lora",
 ]
 REGIME_VARIANTS = [
-    "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_column", "grpo_b004_lora", "armor_lora", "armor_column_lora",
+    "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_column", "armor_same_call", "grpo_b004_lora", "armor_lora",
+    "armor_column_lora", "armor_same_call_lora",
 ]
 PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "other"]
 
@@ -36,8 +37,11 @@ def test_bench_config_is_data_and_checked(tmp_path):
     assert [v.name for v in bench.variants.values() if v.column] == ["armor_column", "armor_column_lora"]
     assert {name for name, v in bench.variants.items() if v.armor and v.trainer == "armor_trl"} == {
         n for n in CONFIGS if n.startswith("armor_")}
-    assert set(bench.presets) == {"full", "smoke", "memory"}
-    assert bench.regime == {"variants": REGIME_VARIANTS, "mini_batches": [1, 4, 16]}
+    assert set(bench.presets) == {"full", "smoke", "memory", "gpu"}
+    assert bench.presets["gpu"]["device"] == "cuda" and bench.presets["gpu"]["arch"] == "qwen2"
+    assert bench.regime["variants"] == REGIME_VARIANTS and bench.regime["mini_batches"] == [1, 4, 16]
+    assert {(t["variant"], t["m"], t["bound"]) for t in bench.regime["targets"]} >= {
+        ("armor_full", 16, 1.10), ("armor_lora", 16, 1.10), ("armor_same_call", 1, 1.05), ("armor_column", "all", 1.00)}
     bad = tmp_path / "bench.yaml"
     text = config.CONFIG_FILE.read_text()
     bad.write_text(text.replace("trainer: trl\n    beta: 0.0\n", "trainer: trl\n    armor: true\n", 1))
@@ -142,6 +146,11 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert regime["summary"]["grpo_b004"]["16"]["vs_grpo_b004"]["step"] == 1.0
     assert regime["summary"]["armor_full"]["16"]["split_s"]["anchor_gen"] > 0
     assert regime["summary"]["armor_column"]["16"]["split_s"]["anchor_gen"] == 0.0
+    for name in ("armor_same_call", "armor_same_call_lora"):  # the hybrid phase: candidates in the policy's own call
+        assert summary[name]["split_s"]["anchor_gen"] == 0.0 and summary[name]["metrics"]["armor/anchor_same_call"] == 1
+        assert all(regime["summary"][name][m]["split_s"]["anchor_gen"] == 0.0 for m in ("1", "4", "16")), name
+    assert regime["targets"] and all(isinstance(t["met"], bool) for t in regime["targets"])
+    assert (tmp_path / "regime.png").stat().st_size > 0
     assert regime["meta"]["pregeneration"]["prompts"] == regime["meta"]["prompts"] == 16 // 8 * 16
 
     table = (tmp_path / "bench.md").read_text()
@@ -151,6 +160,7 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert "| config | policy_gen | anchor_gen |" in table
     assert "| target | measured" in table
     assert "| config | M | s/opt step" in table and "| armor_lora | 16 |" in table
+    assert "| target | measured | paired range | met |" in table
 
     # the tables can be rendered again from the saved raw runs, without training
     again = subprocess.run(
@@ -159,3 +169,23 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "again" / "bench.md").read_text() == table
+
+
+def test_gpu_preset_path_runs_on_cpu_at_a_small_shape(tmp_path):
+    """The GPU preset's code path (a Qwen2 model with Qwen2.5-0.5B's proportions, the preset's training overrides,
+    the regime) at a tiny shape on the CPU: what scripts/gpu_check.sh runs on a GPU, checked for structure here."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    proc = subprocess.run(
+        [*BENCH, "--preset", "gpu", "--device", "cpu", "--hidden", "64", "--layers", "1", "--completion", "8",
+         "--batch", "16", "--steps", "2", "--warmup", "1", "--reps", "1", "--prompts", "4", "--configs",
+         "grpo_b004,armor_same_call", "--mini-batches", "1,2", "--regime-reps", "1", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["meta"]["arch"] == "qwen2" and result["meta"]["device"] == "cpu"
+    assert list(result["regime"]["summary"]) == ["grpo_b004", "armor_same_call"]
+    assert result["regime"]["summary"]["armor_same_call"]["1"]["split_s"]["anchor_gen"] == 0.0
+    with pytest.raises(subprocess.CalledProcessError):  # CUDA is refused where there is none, before any work
+        subprocess.run([*BENCH, "--preset", "gpu", "--out", str(tmp_path / "cuda")], cwd=REPO, env=env, check=True,
+                       capture_output=True, text=True, timeout=120)

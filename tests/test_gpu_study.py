@@ -339,6 +339,8 @@ def test_gpu_check_installs_from_the_wheelhouse(how, tmp_path):
     assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
     assert "scripts/gpu_check.py --steps 2" in calls  # without --wheelhouse
+    assert "-m benchmarks --preset gpu --out results/gpu_check/bench" in calls  # the bench's GPU tables (issue 20)
+    assert not any("--vllm" in call for call in calls)  # vllm is not installed here
     assert ("scripts/wheelhouse.py install /w" in calls) == how.startswith(("flag", "env"))
     assert ("scripts/wheelhouse.py missing" in calls) == how.startswith("none")
     # from the network only without a wheelhouse and with a module missing (the old behaviour)
