@@ -32,6 +32,9 @@ def test_smoke_demo_runs_the_testbed_arms_over_seeds_and_resumes(tmp_path, capsy
     for label in ("| GRPO (β=0) |", "| GRPO + KL (β=0.1) |", "| GRPO, lr × α |", "| ARMOR |",
                   "Paired difference vs GRPO (β=0)", "docs/evidence.md", str(folder / "summary.md")):
         assert label in out
+    warm = summary["warmups"][0]  # the user sees which warm checkpoint their machine built
+    assert (f"Warm checkpoint (warm-up seed {warm['seed']}): {warm['steps']} supervised steps, calibration avg@4 "
+            f"{warm['calibration_avg@4']:.3f}") in out and "Machine: " in out
 
     kl = _records(folder / "metrics" / "grpo_kl_0.1-seed0.jsonl")
     assert any("kl" in r for r in kl)  # the KL baseline really trains with beta > 0

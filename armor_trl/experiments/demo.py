@@ -49,7 +49,14 @@ def format_demo(summary: dict) -> str:
     95% CIs, and where the details and the full study are."""
     ev, seeds, out = summary["evaluation"], summary["seeds"], summary["out"]
     lines = [f"Collapse testbed, {len(seeds)} seeds ({', '.join(map(str, seeds))}); mean ± std over seeds. "
-             f"Validation: {ev['metric']} on {ev['problems']} held-out problems × {ev['samples']} samples.", "",
+             f"Validation: {ev['metric']} on {ev['problems']} held-out problems × {ev['samples']} samples."]
+    for warm in summary.get("warmups") or []:  # which warm checkpoint this machine built (its float path differs)
+        lines.append(f"Warm checkpoint (warm-up seed {warm['seed']}): {warm['steps']} supervised steps, calibration "
+                     f"avg@4 {warm['calibration_avg@4']:.3f} (target {warm['target_accuracy']}); another CPU model may "
+                     "build another one, and the numbers below move with it (docs/evidence.md gives the spread).")
+    if summary.get("machine"):
+        lines.append(f"Machine: {summary['machine']['cpu_model']}, {summary['machine']['cpu_cores']} cores.")
+    lines += ["",
              "| method | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
     for arm, row in summary["table"].items():
         lines.append(f"| {LABELS.get(arm, arm)} | " + " | ".join(_cell(row.get(c)) for c in COLUMNS) + " |")
