@@ -398,3 +398,25 @@ def test_a_recipes_primary_comparisons_of_arms_not_run_are_left_out(tmp_path):
     assert main(["study", "--config", str(recipe), "--smoke", "--arms", "grpo", "--seeds", "1", "--workers", "1",
                  "--resamples", "200", "--output_dir", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["primary"] == []
+
+
+def test_mode_testbed_smoke_study_reports_modes_start_kl_and_pass_at_start_peak_end(tmp_path):
+    out = tmp_path / "study" / "modes"
+    assert main(["study", "--config", str(REPO / "configs" / "mode_testbed.yaml"), "--smoke", "--arms", "grpo,armor",
+                 "--seeds", "1", "--warmup_seeds", "0", "--workers", "1", "--resamples", "200",
+                 "--output_dir", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for png in ("modes.png", "start_kl.png", "curves.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    points = summary["at_points"]["grpo"]
+    assert {f"pass@{j}" for j in (1, 2, 4, 8, 16)} | {"mode/carrying", "mode/worked", "mode/direct", "mode/other"} \
+        == set(points)
+    records = [json.loads(line) for line in (out / "metrics" / "grpo-seed0.jsonl").read_text().splitlines()]
+    validations = [r for r in records if "val/avg@16" in r]
+    assert points["pass@16"]["start"] == pytest.approx(validations[0]["val/pass@16"])
+    assert points["mode/carrying"]["end"] == pytest.approx(validations[-1]["val/mode/carrying"])
+    peak = max(validations, key=lambda r: r["val/avg@16"])  # the first maximum
+    assert points["pass@1"]["peak"] == pytest.approx(peak["val/pass@1"])
+    assert sum(points[f"mode/{m}"]["start"] for m in ("carrying", "worked", "direct", "other")) == pytest.approx(1.0)
+    assert all("val/kl_reverse_start" in r and "val/kl_forward_start" in r for r in validations)
+    assert "pass@j and mode shares at each run's start / validation peak / end" in (out / "summary.md").read_text()

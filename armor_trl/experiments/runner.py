@@ -274,6 +274,7 @@ def read_curves(metrics_file: Path) -> dict:
     whose policy weights π_ref held at each logged step (ARMOR runs)."""
     records = read_jsonl(str(metrics_file))  # a corrupt file is named, with its line
     val_key = next((k for r in records for k in r if k.startswith(VAL_KEY_PREFIX)), None)
+    keys = sorted({k for r in records for k in r})
     if val_key is None:
         raise ValueError(f"{metrics_file} holds no validation ({VAL_KEY_PREFIX}k): set val_every_steps > 0.")
     return {
@@ -287,4 +288,11 @@ def read_curves(metrics_file: Path) -> dict:
         "val_problems": records[0].get("val_problems"),
         "val_samples": records[0].get("val_samples"),
         "wall_time_s": records[0].get("run_wall_time_s"),  # training and validation of the run (None: older file)
+        # KL to the starting model (val_kl_prompts), the held-out set's mode shares (val_mode_classifier) and its
+        # pass@j curve: {} / [] where not logged
+        "kl_reverse_start": series(records, "val/kl_reverse_start"),
+        "kl_forward_start": series(records, "val/kl_forward_start"),
+        "modes": {k.removeprefix("val/mode/"): series(records, k) for k in keys if k.startswith("val/mode/")},
+        "pass": {int(k.removeprefix("val/pass@")): series(records, k) for k in keys
+                 if k.startswith("val/pass@") and k.removeprefix("val/pass@").isdigit()},
     }

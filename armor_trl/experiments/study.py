@@ -457,6 +457,7 @@ def summarize_warms(curves: dict, resamples: int = 10_000, baselines=BASELINES) 
     times = [per_warm[w]["run_time_s"] for w in warms]
     return {"per_run": {arm: {w: per_warm[w]["per_run"][arm] for w in warms} for arm in arms},
             "table": pooled["table"], "means": means, "comparisons": comparisons, "evaluation": evaluation,
+            "at_points": pooled["at_points"],
             "resamples": resamples, "run_time_s": None if None in times else sum(times),
             "per_warm": {w: {k: per_warm[w][k] for k in ("table", "comparisons", "evaluation")} for w in warms}}
 
@@ -496,7 +497,33 @@ def summarize(curves: dict, resamples: int = 10_000, baselines=BASELINES) -> dic
     times = [c.get("wall_time_s") for runs in curves.values() for c in runs.values()]
     run_time = sum(times) if times and None not in times else None
     return {"per_run": per_run, "table": table, "comparisons": comparisons, "evaluation": evaluation,
-            "resamples": resamples, "run_time_s": run_time}
+            "resamples": resamples, "run_time_s": run_time, "at_points": at_points(curves)}
+
+
+POINTS = ("start", "peak", "end")  # where at_points reads a run's curves: step 0, its validation peak, its last step
+
+
+def at_points(curves: dict) -> dict:
+    """Per arm, the mean over runs of each pass@j and mode share of the held-out set at each run's start, validation
+    peak (the step of its first maximum) and end: {arm: {"pass@j" | "mode/<m>": {point: mean}}}; {} where the runs
+    logged neither (val_k 1, no val_mode_classifier)."""
+    out = {}
+    for arm, runs in curves.items():
+        rows: dict[str, dict[str, list]] = {}
+        for c in runs.values():
+            values = [v for _, v in c["val"]]
+            steps = {"start": c["val"][0][0], "peak": c["val"][values.index(max(values))][0], "end": c["val"][-1][0]}
+            named = {**{f"pass@{j}": s for j, s in sorted(c.get("pass", {}).items())},
+                     **{f"mode/{m}": s for m, s in c.get("modes", {}).items()}}
+            for name, curve in named.items():
+                by_step = dict(curve)
+                for point, step in steps.items():
+                    if step in by_step:
+                        rows.setdefault(name, {}).setdefault(point, []).append(by_step[step])
+        if rows:
+            out[arm] = {name: {point: statistics.fmean(v) for point, v in by_point.items()}
+                        for name, by_point in rows.items()}
+    return out
 
 
 def _cell(value: dict | None, digits: int = 3) -> str:
@@ -605,6 +632,13 @@ def format_summary(summary: dict) -> str:
                   f"({summary['resamples']} resamples, seeded). With few seeds it is narrow and optimistic: it never "
                   "extends beyond the smallest and largest per-seed difference (with 3 seeds it is exactly that "
                   "range), so 'higher'/'lower' then means only that every seed agreed."]
+    if summary.get("at_points"):
+        names = list(dict.fromkeys(n for rows in summary["at_points"].values() for n in rows))
+        lines += ["", "## pass@j and mode shares at each run's start / validation peak / end (held-out; mean over "
+                  "runs)", "", "| arm | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+        for arm, rows in summary["at_points"].items():
+            lines.append(f"| {arm} | " + " | ".join(
+                " / ".join(f"{rows[n][p]:.3f}" if p in rows.get(n, {}) else "–" for p in POINTS) for n in names) + " |")
     for alias, choice in (summary.get("selection") or {}).items():
         scores = ", ".join(f"{arm} {score['mean']:.3f}" for arm, score in choice["scores"].items()
                            if score["mean"] is not None)
@@ -682,7 +716,12 @@ def plot_study(curves: dict, out: Path, smooth: int = 5) -> None:
                     ("kl_forward", "forward KL(π_ref‖π_θ), anchors", smooth)]),
         ("reference.png", [("val", "policy π_θ: held-out validation accuracy", 1),
                            ("ref_val", "reference π_ref in use: its held-out accuracy", 1)]),
+        ("start_kl.png", [("kl_reverse_start", "reverse KL(π_θ‖π_0), policy samples, held-out prompts", 1),
+                          ("kl_forward_start", "forward KL(π_0‖π_θ), samples of the start model", 1)]),
     ):
+        if filename == "start_kl.png" and not any(c.get("kl_reverse_start") for runs in curves.values()
+                                                  for c in runs.values()):
+            continue  # val_kl_prompts was off
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
         for ax, (key, title, window) in zip(axes, panels):
             for i, (arm, runs) in enumerate(curves.items()):
@@ -700,4 +739,20 @@ def plot_study(curves: dict, out: Path, smooth: int = 5) -> None:
                 ax.text(0.5, 0.5, "not logged by these arms", ha="center", transform=ax.transAxes)
         fig.tight_layout()
         fig.savefig(out / filename, dpi=110)
+        plt.close(fig)
+    modes = list(dict.fromkeys(m for runs in curves.values() for c in runs.values() for m in c.get("modes", {})))
+    if modes:  # modes.png: each mode's share of the held-out samples (val_mode_classifier)
+        fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.8), squeeze=False)
+        for ax, mode in zip(axes[0], modes):
+            for i, (arm, runs) in enumerate(curves.items()):
+                band = _band([c["modes"][mode] for c in runs.values() if c.get("modes", {}).get(mode)], 1)
+                if band is not None:
+                    steps, mean, std = band
+                    ax.plot(steps, mean, color=colors(i), label=arm)
+                    ax.fill_between(steps, mean - std, mean + std, color=colors(i), alpha=0.2)
+            ax.set(title=f"held-out share: {mode}", xlabel="step", ylim=(0, 1))
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "modes.png", dpi=110)
         plt.close(fig)
