@@ -83,6 +83,14 @@ def optimizer_steps_per_rollout(args) -> float:
     return args.steps_per_generation * args.num_iterations / args.gradient_accumulation_steps
 
 
+def log_update_regime(args, logger) -> None:
+    """Start-up's line on the update regime: a warning where ARMOR's mixed ratio can only act as a gradient weight
+    (fully on-policy), else for the record."""
+    on_policy = optimizer_steps_per_rollout(args) <= 1
+    mixed = getattr(args, "armor_enabled", False) and getattr(args, "use_mixed_ratio", False)
+    (logger.warning if on_policy and mixed else logger.info)(describe_update_regime(args))
+
+
 def describe_update_regime(args) -> str:
     """The update regime of a GRPOConfig / ArmorConfig in one line: fully on-policy, or M optimizer steps per
     rollout batch. Shared by ``armor-trl train --dry_run`` and ArmorGRPOTrainer's start-up."""

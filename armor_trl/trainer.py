@@ -106,15 +106,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, ref_model=None):
-        if args is None:
-            name = model if isinstance(model, str) else seam.model_id(model)
-            args = ArmorConfig(f"{name.split('/')[-1]}-ARMOR")
-        if isinstance(args, GRPOConfig) and not isinstance(args, ArmorConfig):
-            args = ArmorConfig.from_grpo_config(args)
-            logger.warning("args is a GRPOConfig: converted to an ArmorConfig with the fields you set and ARMOR's defaults "
-                           "for the rest (e.g. beta=0, loss_type='dapo'). Pass ArmorConfig(...) to set ARMOR's fields.")
-        if not isinstance(args, ArmorConfig):
-            raise ValueError(f"args must be an armor_trl.ArmorConfig (or a trl.GRPOConfig), got {type(args).__name__}.")
+        args = self._armor_config(model, args)
         uses_peft = peft_config is not None or (not isinstance(model, str) and is_peft_model(model))
         checks.check_arguments(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft,
                                train_dataset)
@@ -136,10 +128,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self.armor_state.register("schedule", lambda: {"armor_started_at": self.armor_started_at},
                                   lambda state: setattr(self, "armor_started_at", state["armor_started_at"]))
         self.armor_metrics = ArmorMetrics(self)
-        if self.accelerator.is_main_process:  # a warning where ARMOR's trust region cannot act, else for the record
-            on_policy = checks.optimizer_steps_per_rollout(args) <= 1
-            (logger.warning if on_policy and args.armor_enabled and args.use_mixed_ratio else logger.info)(
-                checks.describe_update_regime(args))
+        if self.accelerator.is_main_process:
+            checks.log_update_regime(args, logger)
         self.dynamic_sampling = DynamicSampling(self, train_dataset) if args.dynamic_sampling else None
         self.collapse_guard = CollapseGuard(self) if args.collapse_guard else None
         for part in (self.dynamic_sampling, self.collapse_guard):
@@ -149,8 +139,27 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self.verifier_funcs = reward_func_mask(args.anchor_reward_funcs, self.reward_func_names)
         self._uses_verifier = any(getattr(f, "__wrapped__", f) is math_verify_reward for f in self.reward_funcs)
         self._verifier_timeouts_seen = verifier_timeouts()
-        if not args.armor_enabled:
-            return  # both ablation switches off: GRPOTrainer (plus dynamic sampling / QAE where asked for)
+        if args.armor_enabled:  # else both ablation switches are off: GRPOTrainer (plus dynamic sampling / QAE)
+            self._build_armor(train_dataset, ref_model, ref_copy, quantization_config)
+
+    @staticmethod
+    def _armor_config(model, args) -> ArmorConfig:
+        """``args`` as an ArmorConfig: a default one named after the model, a GRPOConfig converted, else refused."""
+        if args is None:
+            name = model if isinstance(model, str) else seam.model_id(model)
+            return ArmorConfig(f"{name.split('/')[-1]}-ARMOR")
+        if isinstance(args, GRPOConfig) and not isinstance(args, ArmorConfig):
+            logger.warning("args is a GRPOConfig: converted to an ArmorConfig with the fields you set and ARMOR's defaults "
+                           "for the rest (e.g. beta=0, loss_type='dapo'). Pass ArmorConfig(...) to set ARMOR's fields.")
+            return ArmorConfig.from_grpo_config(args)
+        if not isinstance(args, ArmorConfig):
+            raise ValueError(f"args must be an armor_trl.ArmorConfig (or a trl.GRPOConfig), got {type(args).__name__}.")
+        return args
+
+    def _build_armor(self, train_dataset, ref_model, ref_copy, quantization_config) -> None:
+        """What ARMOR adds once GRPOTrainer is built: checked rewards, the anchor rollout, π_ref with its checkpoint
+        part and reset schedule, and the reference server where one is used."""
+        args = self.args
         self.reward_funcs = [
             func if isinstance(func, torch.nn.Module) or inspect.iscoroutinefunction(func) else checked(func, name)
             for func, name in zip(self.reward_funcs, self.reward_func_names)

@@ -135,3 +135,30 @@ def test_primary_metrics_are_per_run_metrics():
     assert set(stats.PRIMARY) <= set(stats.COMPARED) and set(stats.MEANS) <= set(stats.METRICS)
     m = stats.run_metrics([(0, 0.4), (10, 0.6), (20, 0.3), (30, 0.35)], [])
     assert (m["final"], m["min_after_peak"], m["auc"]) == pytest.approx((0.35, 0.3, (5 + 4.5 + 3.25) / 30))
+
+
+def _run(val, share, train=((1, 0.2), (2, 0.9))):
+    """read_curves' shape for one run: held-out curve, on-policy rewards, the general mode's share curve."""
+    steps = [s for s, _ in val]
+    return {"val": list(val), "train": list(train), "modes": {"carrying": list(zip(steps, share))}}
+
+
+def test_mode_criterion_counts_collapses_and_the_general_modes_share_per_warm_checkpoint():
+    collapsing = _run([(0, 0.5), (40, 0.6), (80, 0.3)], [0.5, 0.5, 0.2])   # 0.3 <= 0.6 - 0.1 and < 0.5
+    shallow = _run([(0, 0.5), (40, 0.55), (80, 0.48)], [0.5, 0.5, 0.6])    # 0.48 > 0.55 - 0.1: no collapse
+    no_reward_rise = _run([(0, 0.5), (80, 0.1)], [0.5, 0.1], train=((1, 0.9), (2, 0.2)))
+    runs = {0: {s: collapsing for s in range(5)},                                 # 5/5, share 0.5 -> 0.2: met
+            1: {0: collapsing, 1: collapsing, 2: collapsing, 3: shallow, 4: no_reward_rise},  # 3/5: not met
+            2: {0: collapsing, 1: collapsing, 2: collapsing, 3: collapsing, 4: shallow}}       # 4/5, share falls
+    result = stats.mode_criterion(runs, "carrying", min_collapsed=4, min_warm_checkpoints=2)
+    assert {w: (r["collapsed"], r["met"]) for w, r in result["per_warm"].items()} == {0: (5, True), 1: (3, False),
+                                                                                       2: (4, True)}
+    assert result["per_warm"][2]["share_start"] == pytest.approx(0.5)
+    assert result["per_warm"][2]["share_end"] == pytest.approx((4 * 0.2 + 0.6) / 5)
+    assert result["warm_checkpoints_met"] == 2 and result["met"]
+    # every run collapses but the general mode's share rises: the criterion is not met anywhere
+    rising = {w: {s: _run([(0, 0.5), (80, 0.1)], [0.4, 0.7]) for s in range(5)} for w in range(3)}
+    result = stats.mode_criterion(rising, "carrying", 4, 2)
+    assert all(r["collapsed"] == 5 and not r["share_falls"] for r in result["per_warm"].values()) and not result["met"]
+    with pytest.raises(ValueError, match="logged no share of mode 'worked'"):
+        stats.mode_criterion(runs, "worked", 4, 2)

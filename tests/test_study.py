@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import yaml
 from armor_trl.cli import main
 from armor_trl.experiments import stats, study
 from armor_trl.experiments.runner import read_curves, resolve_overrides
+from armor_trl.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,6 +152,30 @@ def test_arms_from_the_recipe_and_lr_scale():
     with pytest.raises(ValueError, match="study: section"):
         study.load_arms({"study": {"armz": {}}})
 
+
+
+def test_an_arms_file_with_base_adds_to_that_files_arms(tmp_path, tiny_model_path):
+    """configs/study/mode_search.yaml (the mode testbed's plain-GRPO search) adds its arms to arms.yaml, so the
+    recipe's study.select still finds grpo_kl_*; its own arms are valid plain-GRPO recipes; a bad base is named."""
+    recipe_file = REPO / "configs" / "mode_testbed.yaml"
+    recipe = load_recipe(str(recipe_file))
+    search = REPO / "configs" / "study" / "mode_search.yaml"
+    arms, _ = study.load_arms(recipe, search)
+    own = [a for a in arms if a.startswith("s") and a[1:3].isdigit()]
+    assert len(own) >= 10 and {"grpo", "grpo_kl_0.04", "armor"} <= set(arms)
+    assert all(arms[a]["method"] == "grpo" and arms[a]["beta"] == 0.0 for a in own)  # the search is plain GRPO only
+    study.load_selection(recipe["study"], arms)  # grpo_kl_best's candidates come from the base file
+    study.check_arms({a: arms[a] for a in own}, recipe, str(recipe_file), tiny_model_path)
+    overriding = tmp_path / "mine.yaml"
+    overriding.write_text(f"base: {os.path.relpath(REPO / 'configs' / 'study' / 'arms.yaml', tmp_path)}\n"
+                          "arms: {grpo: {method: grpo, beta: 0.5}}\n")
+    mine, default = study.load_arms({}, overriding)
+    assert mine["grpo"] == {"method": "grpo", "beta": 0.5} and "armor" in mine and default == ["grpo", "grpo_small_lr",
+                                                                                               "armor"]
+    for base in ("missing.yaml", "mine.yaml"):
+        overriding.write_text(f"base: {base}\narms: {{}}\n")
+        with pytest.raises(ValueError, match=f"Arms file .*mine.yaml: base must name another arms file.*{base}"):
+            study.load_arms({}, overriding)
 
 # --- a smoke study ---------------------------------------------------------------------------------------------
 def _study(out, *extra):
@@ -295,6 +321,17 @@ def test_study_folder_takes_more_warm_checkpoints_but_not_other_ones(tmp_path):
         study.check_study_folder(tmp_path, {**plan, "model": "a"})
 
 
+def test_study_folder_keeps_its_runs_when_only_the_study_section_changes(tmp_path):
+    """The study: section (which runs, which comparisons, a criterion) does not change how a run trains; any other
+    recipe key does."""
+    plan = {"recipe": {"x": 1, "study": {"seeds": 3}}, "smoke_overrides": {}, "arms": {"grpo": {}}, "model": "m"}
+    study.check_study_folder(tmp_path, plan)
+    study.check_study_folder(tmp_path, {**plan, "recipe": {"x": 1, "study": {"seeds": 3, "criterion": {}}}})
+    study.check_study_folder(tmp_path, {**plan, "recipe": {"x": 1}})
+    with pytest.raises(ValueError, match="different recipe"):
+        study.check_study_folder(tmp_path, {**plan, "recipe": {"x": 2, "study": {"seeds": 3}}})
+
+
 def _write_run(path, values):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"step": 10 * i, "val/avg@4": v}) + "\n" for i, v in enumerate(values)))
@@ -420,3 +457,12 @@ def test_mode_testbed_smoke_study_reports_modes_start_kl_and_pass_at_start_peak_
     assert sum(points[f"mode/{m}"]["start"] for m in ("carrying", "worked", "direct", "other")) == pytest.approx(1.0)
     assert all("val/kl_reverse_start" in r and "val/kl_forward_start" in r for r in validations)
     assert "pass@j and mode shares at each run's start / validation peak / end" in (out / "summary.md").read_text()
+
+
+def test_criterion_section_is_checked():
+    good = {"arm": "grpo", "general_mode": "carrying", "min_collapsed": 4, "min_warm_checkpoints": 2}
+    assert study.load_criterion({"criterion": good}) == good and study.load_criterion({}) is None
+    with pytest.raises(ValueError, match=r"study.criterion must be a mapping of exactly \['arm', 'general_mode'"):
+        study.load_criterion({"criterion": {**good, "extra": 1}})
+    with pytest.raises(ValueError, match="study.criterion.min_collapsed must be an integer >= 1, got 0"):
+        study.load_criterion({"criterion": {**good, "min_collapsed": 0}})

@@ -62,6 +62,30 @@ def run_metrics(val: list[tuple[int, float]], train: list[tuple[int, float]]) ->
     }
 
 
+def mode_criterion(runs: dict, general_mode: str, min_collapsed: int, min_warm_checkpoints: int) -> dict:
+    """The mode testbed's plain-GRPO criterion (issue 16 item 2) on ``runs`` (warm checkpoint → seed → curves as
+    :func:`armor_trl.experiments.runner.read_curves` gives them). Per warm checkpoint: how many runs collapsed
+    (:func:`run_metrics`), the held-out share of ``general_mode`` at step 0 and at the last validation (means over
+    its runs), and ``met``: at least ``min_collapsed`` runs collapsed and the mean share fell. ``met`` overall: on at
+    least ``min_warm_checkpoints`` warm checkpoints."""
+    per_warm = {}
+    for warm, seeds in runs.items():
+        flags = [run_metrics(c["val"], c["train"])["collapsed"] for c in seeds.values()]
+        shares = [c["modes"].get(general_mode) or [] for c in seeds.values()]
+        if any(not curve for curve in shares):
+            raise ValueError(f"mode criterion: a run of warm checkpoint {warm} logged no share of mode "
+                             f"{general_mode!r} (val_mode_classifier, and a mode it returns).")
+        start = statistics.fmean(curve[0][1] for curve in shares)
+        end = statistics.fmean(curve[-1][1] for curve in shares)
+        collapsed = sum(bool(f) for f in flags)
+        per_warm[warm] = {"collapsed": collapsed, "runs": len(flags), "share_start": start, "share_end": end,
+                          "share_falls": end < start, "met": collapsed >= min_collapsed and end < start}
+    met = sum(w["met"] for w in per_warm.values())
+    return {"general_mode": general_mode, "min_collapsed": min_collapsed,
+            "min_warm_checkpoints": min_warm_checkpoints, "per_warm": per_warm, "warm_checkpoints_met": met,
+            "met": met >= min_warm_checkpoints}
+
+
 def reference_accuracy(val: list[tuple[int, float]], weights_steps: list[tuple[int, float]]) -> dict:
     """The validation accuracy of π_ref itself over a run: π_ref holds the policy weights of some earlier step (the
     start, a reset, a rolled-back checkpoint), so its accuracy is the policy's validation at that step — the same

@@ -41,7 +41,8 @@ CONFIGS = next((path for path in (Path(__file__).resolve().parents[2] / "configs
 DEFAULT_CONFIG = CONFIGS / "tiny_demo.yaml"
 DEFAULT_ARMS_FILE = CONFIGS / "study" / "arms.yaml"
 BASELINES = ("grpo", "grpo_small_lr")  # default: every other arm is compared with these, where they ran
-STUDY_KEYS = ("arms", "default_arms", "seeds", "warmup_seeds", "tuning_seeds", "primary", "select")  # `study:`
+STUDY_KEYS = ("arms", "default_arms", "seeds", "warmup_seeds", "tuning_seeds", "primary", "select", "criterion")
+CRITERION_KEYS = ("arm", "general_mode", "min_collapsed", "min_warm_checkpoints")  # `study: criterion:`  # `study:`
 DEFAULT_SEEDS = 3
 SELECT_METRIC = "final"  # a select: alias picks the arm with the best mean of this on the tuning seeds
 
@@ -52,19 +53,34 @@ def load_arms(recipe: dict, arms_file: str | os.PathLike | None = None) -> tuple
     path = Path(arms_file) if arms_file else DEFAULT_ARMS_FILE
     if not path.is_file():
         raise ValueError(f"Arms file {path} not found.")
-    data = read_yaml(str(path)) or {}  # syntax errors and repeated keys named with file, line and column
-    if not isinstance(data, dict) or not isinstance(data.get("arms") or {}, dict):
-        raise ValueError(f"Arms file {path} must be a mapping with an 'arms:' mapping of name: overrides.")
+    data = _read_arms_file(path)
     section = recipe.get("study") or {}
     if not isinstance(section, dict) or set(section) - set(STUDY_KEYS):
         raise ValueError(f"The recipe's study: section may hold {list(STUDY_KEYS)} only, got {section!r}.")
-    arms = {**(data.get("arms") or {}), **(section.get("arms") or {})}
+    arms = {**data["arms"], **(section.get("arms") or {})}
     for name, overrides in arms.items():
         if not isinstance(overrides, dict):
             raise ValueError(f"Arm {name!r} must be a mapping of recipe overrides, got {overrides!r}.")
         if "/" in str(name) or str(name).startswith("."):
             raise ValueError(f"Arm name {name!r} cannot hold '/' or start with '.' (it names files).")
     return arms, list(section.get("default_arms") or data.get("default") or [])
+
+
+def _read_arms_file(path: Path, _seen: tuple = ()) -> dict:
+    """An arms file as {"arms": {...}, "default": [...]}; a ``base: other.yaml`` key (relative to the file) adds that
+    file's arms first, as a recipe's ``base:`` does (``default`` is the file's own, else the base's)."""
+    data = read_yaml(str(path)) or {}  # syntax errors and repeated keys named with file, line and column
+    if not isinstance(data, dict) or not isinstance(data.get("arms") or {}, dict):
+        raise ValueError(f"Arms file {path} must be a mapping with an 'arms:' mapping of name: overrides.")
+    base = data.get("base")
+    if base is None:
+        return {"arms": dict(data.get("arms") or {}), "default": data.get("default")}
+    base_path = path.parent / str(base)
+    if not isinstance(base, str) or not base_path.is_file() or base_path.resolve() in _seen:
+        raise ValueError(f"Arms file {path}: base must name another arms file next to it, not itself; got {base!r}.")
+    inherited = _read_arms_file(base_path, _seen + (path.resolve(),))
+    return {"arms": {**inherited["arms"], **(data.get("arms") or {})},
+            "default": data.get("default") or inherited["default"]}
 
 
 def select_arms(arms: dict, names: list[str], aliases=()) -> dict:
@@ -117,6 +133,20 @@ def load_selection(section: dict, arms: dict) -> dict:
     return out
 
 
+def load_criterion(section: dict) -> dict | None:
+    """The study section's ``criterion:`` ({arm, general_mode, min_collapsed, min_warm_checkpoints}; see
+    :func:`.stats.mode_criterion`), checked; None without one."""
+    criterion = section.get("criterion")
+    if criterion is None:
+        return None
+    if not isinstance(criterion, dict) or set(criterion) != set(CRITERION_KEYS):
+        raise ValueError(f"study.criterion must be a mapping of exactly {list(CRITERION_KEYS)}, got {criterion!r}.")
+    for key in ("min_collapsed", "min_warm_checkpoints"):
+        if isinstance(criterion[key], bool) or not isinstance(criterion[key], int) or criterion[key] < 1:
+            raise ValueError(f"study.criterion.{key} must be an integer >= 1, got {criterion[key]!r}.")
+    return criterion
+
+
 def load_primary(value, names: list[str]) -> list[list[str]]:
     """Primary comparisons ``[[arm, baseline], ...]`` (from the recipe, or ``arm:baseline,...`` on the command
     line); both must be arms (or aliases) of the study."""
@@ -165,7 +195,11 @@ def check_study_folder(out: Path, plan: dict) -> None:
         models = {**earlier["model"], **models}
     else:
         same = {"model": earlier.get("model") == models}
-    same.update({key: earlier.get(key) == plan[key] for key in ("recipe", "smoke_overrides")})
+    # the recipe's study: section says which runs to make and how to report them, not how a run trains (its arms
+    # are compared one by one below), so a study may gain comparisons or a criterion and keep its runs
+    runs_recipe = lambda recipe: {k: v for k, v in (recipe or {}).items() if k != "study"}  # noqa: E731
+    same["recipe"] = runs_recipe(earlier.get("recipe")) == runs_recipe(plan["recipe"])
+    same["smoke_overrides"] = earlier.get("smoke_overrides") == plan["smoke_overrides"]
     for key in ("recipe", "smoke_overrides", "model"):
         if not same[key]:
             raise ValueError(f"{out} holds a study with a different {key}; use another study folder (--out; the "
@@ -390,6 +424,11 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
     curves = {w: {name: {seed: read_curves(metrics_path(out, arm, seed, tag(w))) for seed in seed_list}
                   for name, arm in ran.items()} for w in models}
     summary = summarize_study(curves, resamples, BASELINES if baselines is None else baselines, primary)
+    criterion = load_criterion(section)
+    if criterion and criterion["arm"] in ran:
+        summary["criterion"] = {"arm": criterion["arm"], **stats.mode_criterion(
+            {w: curves[w][criterion["arm"]] for w in curves}, criterion["general_mode"], criterion["min_collapsed"],
+            criterion["min_warm_checkpoints"])}
     runs = [{"name": j["name"], "arm": j["arm"], "warmup_seed": j["tags"].get("warmup_seed"), "seed": j["seed"],
              "tuning": tuning_run, "wall_time_s": read_curves(Path(j["metrics"]))["wall_time_s"]}
             for tuning_run, group in ((True, jobs), (False, report_jobs)) for j in group]
@@ -639,6 +678,16 @@ def format_summary(summary: dict) -> str:
         for arm, rows in summary["at_points"].items():
             lines.append(f"| {arm} | " + " | ".join(
                 " / ".join(f"{rows[n][p]:.3f}" if p in rows.get(n, {}) else "–" for p in POINTS) for n in names) + " |")
+    if summary.get("criterion"):
+        c = summary["criterion"]
+        lines += ["", f"## The plain-GRPO criterion ({c['arm']}): at least {c['min_collapsed']} runs collapse and the "
+                  f"held-out share of `{c['general_mode']}` falls, on at least {c['min_warm_checkpoints']} warm "
+                  f"checkpoints: {'met' if c['met'] else 'NOT met'} ({c['warm_checkpoints_met']} of "
+                  f"{len(c['per_warm'])})", "", f"| warm checkpoint | collapsed | {c['general_mode']} share start → "
+                  "end | met |", "|---|---|---|---|"]
+        for w, row in c["per_warm"].items():
+            lines.append(f"| {w} | {row['collapsed']}/{row['runs']} | {row['share_start']:.3f} → "
+                         f"{row['share_end']:.3f} | {'yes' if row['met'] else 'no'} |")
     for alias, choice in (summary.get("selection") or {}).items():
         scores = ", ".join(f"{arm} {score['mean']:.3f}" for arm, score in choice["scores"].items()
                            if score["mean"] is not None)
