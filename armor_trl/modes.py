@@ -26,6 +26,8 @@ MODES = (WORKED, DIRECT)  # the modes a warm-up can mix (the ``modes`` key of a 
 _STEP = r"\d\+\d(?:\+1)?=\d{1,2}"  # one column: its two digits, the carry taken in (+1) if any, their sum
 _WORKED = re.compile(rf"{_STEP}(?:,{_STEP})*#\d+")
 _DIRECT = re.compile(r"#\d+")
+# a column that takes a carry: two digits, then "+1" (not "3+1=4", where 1 is the second digit)
+_CARRY = re.compile(r"(?:^|,)\d\+\d\+1=")
 
 
 def column_steps(a: int, b: int) -> list[str]:
@@ -77,11 +79,11 @@ CARRYING = "carrying"
 
 
 def classify_carries(text: str) -> str:
-    """:func:`classify`, with the worked form split in two: ``carrying`` when a column takes a carry (``+1``),
-    ``worked`` when none does. (A measurement on the testbed's first warm checkpoint: direct answers to held-out
+    """:func:`classify`, with the worked form split in two: ``carrying`` when a column takes a carry (``+1``
+    after its two digits, as in ``2+0+1=3``), ``worked`` when none does (``3+1=4`` adds the digit 1, no carry). (A measurement on the testbed's first warm checkpoint: direct answers to held-out
     carry problems were never right, worked ones 45%; docs/evidence.md.)"""
     mode = classify(text)
-    return CARRYING if mode == WORKED and "+1=" in text else mode
+    return CARRYING if mode == WORKED and _CARRY.search(text) else mode
 
 
 classify_carries.modes = (CARRYING, WORKED, DIRECT, OTHER)

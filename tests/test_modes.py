@@ -149,6 +149,8 @@ def test_mixed_mode_warm_up_and_the_plain_cache_key(tmp_path, monkeypatch):
     ("5+7=12,2+0+1=3,1+3=4#432", CARRYING),   # a column takes a carry
     ("5+2=7,2+0=2,1+3=4#427", WORKED),        # worked, no carry written (right on a no-carry problem)
     ("5+7=12,2+0=2,1+3=4#422", WORKED),       # the no-carry heuristic on a carry problem: no '+1' anywhere
+    ("3+1=4,2+1=3,1+1=2#234", WORKED),        # digits 1 in the second operand are not carries
+    ("9+1=10,2+1+1=4#40", CARRYING),          # a 1 digit and a carry in one completion
     ("#432", DIRECT),
     ("5+7=12,2+0+1=3#", OTHER),
 ])
