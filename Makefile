@@ -57,8 +57,8 @@ test-trl:
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m benchmarks $(BENCH_ARGS)
 
-# The offline CPU demo: the collapse testbed, GRPO / GRPO+KL / GRPO at lr×(G−1)/G / ARMOR × 3 seeds (~8 min on 2 cores,
-# set-up included); results in results/demo/collapse_testbed/ (a rerun reuses finished runs).
+# The offline CPU demo: the mode testbed (8 optimizer steps per rollout batch), GRPO / GRPO+KL / GRPO at lr×(G−1)/G /
+# ARMOR × 3 seeds from one warm checkpoint; results in results/demo/mode_testbed/ (a rerun reuses finished runs).
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/armor-trl demo
 

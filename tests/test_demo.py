@@ -1,4 +1,4 @@
-"""The offline demo: `armor-trl demo --smoke` runs the collapse testbed's four arms as a study over seeds, writes
+"""The offline demo: `armor-trl demo --smoke` runs the mode testbed's four arms as a study over seeds, writes
 metrics, plots with bands and a summary, resumes without retraining, and its headline follows the summary."""
 
 from __future__ import annotations
@@ -21,13 +21,16 @@ def _records(path):
 def test_smoke_demo_runs_the_testbed_arms_over_seeds_and_resumes(tmp_path, capsys, monkeypatch):
     assert main(["demo", "--smoke", "--seeds", "2", "--workers", "1", "--output_dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    folder = tmp_path / "collapse_testbed-smoke"
+    folder = tmp_path / "mode_testbed-smoke"
     expected = sorted(f"{arm}-seed{seed}.jsonl" for arm in demo.ARMS for seed in (0, 1))
     assert sorted(p.name for p in (folder / "metrics").iterdir()) == expected
     for png in ("curves.png", "kl.png", "reference.png"):
         assert (folder / png).read_bytes()[:8] == PNG
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["recipe"].endswith("collapse_testbed.yaml") and summary["smoke"] and summary["seeds"] == [0, 1]
+    assert summary["recipe"].endswith("mode_testbed.yaml") and summary["smoke"] and summary["seeds"] == [0, 1]
+    assert summary["warmup_seeds"] == [demo.WARMUP_SEED] and summary["primary"] == []  # one warm checkpoint
+    for png in ("modes.png", "start_kl.png"):  # the mode testbed's own plots: mode shares, KL to the start model
+        assert (folder / png).read_bytes()[:8] == PNG
     assert list(summary["table"]) == list(demo.ARMS) and summary["runs_executed"] == 8
     for label in ("| GRPO (β=0) |", "| GRPO + KL (β=0.1) |", "| GRPO, lr × α |", "| ARMOR |",
                   "Paired difference vs GRPO (β=0)", "docs/evidence.md", str(folder / "summary.md")):
@@ -42,7 +45,7 @@ def test_smoke_demo_runs_the_testbed_arms_over_seeds_and_resumes(tmp_path, capsy
     small, plain = (_records(folder / "metrics" / f"{arm}-seed0.jsonl") for arm in ("grpo_small_lr", "grpo"))
     assert lr(small) == pytest.approx(lr(plain) * 7 / 8)  # the control runs at α × the learning rate
     armor = _records(folder / "metrics" / "armor-seed1.jsonl")
-    assert armor[0]["step"] == 0 and "val/avg@4" in armor[0] and any("armor/anchor_found_frac" in r for r in armor)
+    assert armor[0]["step"] == 0 and "val/avg@16" in armor[0] and any("armor/anchor_found_frac" in r for r in armor)
 
     # a rerun trains nothing (the warm model is cached, every run finished) and prints the same table
     import armor_trl.tiny
@@ -51,7 +54,7 @@ def test_smoke_demo_runs_the_testbed_arms_over_seeds_and_resumes(tmp_path, capsy
     assert main(["demo", "--smoke", "--seeds", "2", "--workers", "1", "--output_dir", str(tmp_path)]) == 0
     again = capsys.readouterr().out
     assert "0 run(s) trained now" in again
-    headline = lambda text: text[text.index("Collapse testbed"):text.index("Details")]  # noqa: E731
+    headline = lambda text: text[text.index("mode_testbed, 2 seeds"):text.index("Details")]  # noqa: E731
     assert headline(again) == headline(out)
 
 
@@ -67,7 +70,8 @@ def test_headline_follows_the_summary():
         "armor": {0: _curve([(0, 0.45), (50, 0.51), (100, 0.44)]), 1: _curve([(0, 0.46), (50, 0.50), (100, 0.45)])},
     }
     summary = study.summarize(curves, resamples=200)
-    summary.update(out="results/demo/x", seeds=[0, 1], runs_executed=4, wall_time_s=12.0)
+    summary.update(out="results/demo/x", seeds=[0, 1], runs_executed=4, wall_time_s=12.0,
+                   recipe="configs/mode_testbed.yaml")
     text = demo.format_demo(summary)
     final = summary["comparisons"]["grpo"]["armor"]["metrics"]["final"]
     assert final["mean"] == pytest.approx(0.035)
@@ -76,7 +80,7 @@ def test_headline_follows_the_summary():
     assert "| GRPO (β=0) | 0.455 ± 0.007 | 0.510 ± 0.014 | 0.410 ± 0.014 |" in text
     # the collapse count: grpo seed 0 ends 0.12 below its peak and below its start; seed 1 0.08 (no); rewards flat
     assert summary["table"]["grpo"]["collapsed"] == {"count": 0, "n": 2}
-    assert "4 run(s) trained now, 12 s." in text
+    assert "4 run(s) trained now, 12 s." in text and text.startswith("mode_testbed, 2 seeds (0, 1)")
 
 
 def test_missing_recipe_is_a_clear_error(tmp_path, capsys):

@@ -1,12 +1,15 @@
-"""The offline demo: plain GRPO collapsing on the CPU testbed, next to GRPO + KL, GRPO at a lower lr and ARMOR.
+"""The offline demo: the pre-registered comparison on the CPU mode testbed, GRPO next to GRPO + KL, GRPO at a lower
+lr and ARMOR, in the paper's multi-update regime.
 
-``make demo`` / ``armor-trl demo`` runs ``armor-trl study`` (:mod:`.study`) on ``configs/collapse_testbed.yaml`` with
-the arms ``grpo`` (β = 0), ``grpo_kl_0.1`` (reverse KL, β = 0.1), ``grpo_small_lr`` (β = 0 at lr × α, the control
-for ARMOR's mixture scaling on-policy steps by α) and ``armor``, 3 seeds each: the tiny character-level Llama is
-warm-started once (cached), the 12 runs of 1200 steps share the CPU cores, and the folder gets per-run metrics,
-``summary.md`` / ``summary.json`` with paired bootstrap CIs, and ``curves.png`` / ``kl.png`` / ``reference.png``
-(mean ± std bands over seeds). A rerun reuses finished runs. The 5-seed study with more arms and its verdict is
-``docs/evidence.md``.
+``make demo`` / ``armor-trl demo`` runs ``armor-trl study`` (:mod:`.study`) on ``configs/mode_testbed.yaml`` (a tiny
+character-level Llama warm-started on 3-digit addition written two ways, worked with carries or as a direct answer;
+RL on problems without carries, validation on held-out problems with them; 8 optimizer steps per rollout batch) with
+the arms ``grpo`` (β = 0), ``grpo_kl_0.1`` (reverse KL at the β the study chose on its tuning seeds),
+``grpo_small_lr`` (β = 0 at lr × α, the control for ARMOR's mixture scaling on-policy steps by α) and ``armor``, 3
+seeds each from one warm checkpoint (warm-up seed 0, cached): the 12 runs share the CPU cores, and the folder gets
+per-run metrics, ``summary.md`` / ``summary.json`` with paired bootstrap CIs, and ``curves.png`` / ``kl.png`` /
+``start_kl.png`` / ``modes.png`` / ``reference.png`` (mean ± std bands over seeds). A rerun reuses finished runs. The
+pre-registered study over three warm checkpoints, and the memorisation testbed, are ``docs/evidence.md``.
 
 ``armor-trl demo --real`` (:func:`run_real_demo`) is something else: a smoke run of the real-model path, GRPO and
 ARMOR for a few steps each with LoRA on SmolLM2-135M-Instruct (:mod:`armor_trl.real_model`, Q4_1 de-quantized
@@ -20,13 +23,14 @@ from pathlib import Path
 
 from . import stats, study
 
-DEFAULT_CONFIG = study.CONFIGS / "collapse_testbed.yaml"
+DEFAULT_CONFIG = study.CONFIGS / "mode_testbed.yaml"
 ARMS = ("grpo", "grpo_kl_0.1", "grpo_small_lr", "armor")
 SEEDS = 3
+WARMUP_SEED = 0  # one warm checkpoint (the study's first): the spread across warm checkpoints is docs/evidence.md's
 LABELS = {"grpo": "GRPO (β=0)", "grpo_kl_0.1": "GRPO + KL (β=0.1)", "grpo_small_lr": "GRPO, lr × α",
           "armor": "ARMOR"}
-FULL_STUDY = ("docs/evidence.md", "armor-trl study --config configs/collapse_testbed.yaml "
-              "--arms grpo,grpo_small_lr,grpo_kl_0.1,armor,armor_reset_50,guard_armor,guard_grpo --seeds 5")
+FULL_STUDY = ("docs/evidence.md", "armor-trl study --config configs/mode_testbed.yaml --output_dir "
+              "results/mode_testbed/study --preregister docs/preregistration/mode_testbed.md")
 COLUMNS = ("start", "peak", "final", "min_after_peak", "auc", "final_train_reward", "collapsed")
 
 
@@ -35,7 +39,8 @@ def run_demo(config: str | None = None, output_dir: str = "results/demo", seeds:
     """Run (or finish) the demo study in ``<output_dir>/<recipe name>``; print its headline; return the folder."""
     config_path = Path(config) if config else DEFAULT_CONFIG
     out = Path(output_dir) / (config_path.stem + ("-smoke" if smoke else ""))
-    folder = study.run_study(str(config_path), list(ARMS), seeds, workers, str(out), smoke, verbose=False)
+    folder = study.run_study(str(config_path), list(ARMS), seeds, workers, str(out), smoke, verbose=False,
+                             warmup_seeds=[WARMUP_SEED], primary=[])
     print("\n" + format_demo(json.loads((folder / "summary.json").read_text())))
     return folder
 
@@ -52,7 +57,7 @@ def format_demo(summary: dict) -> str:
     """The demo's headline from a study summary: the per-arm table, the paired final / AUC differences with their
     95% CIs, and where the details and the full study are."""
     ev, seeds, out = summary["evaluation"], summary["seeds"], summary["out"]
-    lines = [f"Collapse testbed, {len(seeds)} seeds ({', '.join(map(str, seeds))}); mean ± std over seeds. "
+    lines = [f"{Path(summary['recipe']).stem}, {len(seeds)} seeds ({', '.join(map(str, seeds))}); mean ± std over seeds. "
              f"Validation: {ev['metric']} on {ev['problems']} held-out problems × {ev['samples']} samples."]
     for warm in summary.get("warmups") or []:  # which warm checkpoint this machine built (its float path differs)
         lines.append(f"Warm checkpoint (warm-up seed {warm['seed']}): {warm['steps']} supervised steps, calibration "
@@ -80,7 +85,8 @@ def format_demo(summary: dict) -> str:
                   f"≥ {stats.COLLAPSE_DROP} below the peak and below the start while training reward rose."]
     lines += ["", f"Details (every paired metric, plots with bands): {out}/summary.md, {out}/curves.png, kl.png, "
               "reference.png",
-              f"The full study (5 seeds, more arms, verdict): {FULL_STUDY[0]} — rerun with `{FULL_STUDY[1]}`",
+              f"The pre-registered study (3 warm checkpoints x 3 seeds, verdict): {FULL_STUDY[0]} — rerun with "
+              f"`{FULL_STUDY[1]}`",
               f"{summary['runs_executed']} run(s) trained now, {summary['wall_time_s']:.0f} s."]
     return "\n".join(lines)
 
