@@ -160,5 +160,9 @@ def test_mode_criterion_counts_collapses_and_the_general_modes_share_per_warm_ch
     rising = {w: {s: _run([(0, 0.5), (80, 0.1)], [0.4, 0.7]) for s in range(5)} for w in range(3)}
     result = stats.mode_criterion(rising, "carrying", 4, 2)
     assert all(r["collapsed"] == 5 and not r["share_falls"] for r in result["per_warm"].values()) and not result["met"]
+    # three runs per warm checkpoint cannot show 4 collapses: not judged, rather than "not met"
+    three = {w: dict(list(seeds.items())[:3]) for w, seeds in runs.items()}
+    assert stats.mode_criterion(three, "carrying", 4, 2)["met"] is None
+    assert stats.mode_criterion({0: runs[0]}, "carrying", 4, 2)["met"] is None  # one warm checkpoint of the two
     with pytest.raises(ValueError, match="logged no share of mode 'worked'"):
         stats.mode_criterion(runs, "worked", 4, 2)

@@ -67,7 +67,9 @@ def mode_criterion(runs: dict, general_mode: str, min_collapsed: int, min_warm_c
     :func:`armor_trl.experiments.runner.read_curves` gives them). Per warm checkpoint: how many runs collapsed
     (:func:`run_metrics`), the held-out share of ``general_mode`` at step 0 and at the last validation (means over
     its runs), and ``met``: at least ``min_collapsed`` runs collapsed and the mean share fell. ``met`` overall: on at
-    least ``min_warm_checkpoints`` warm checkpoints."""
+    least ``min_warm_checkpoints`` warm checkpoints; None (not judged) when a warm checkpoint has fewer than
+    ``min_collapsed`` runs (a study of fewer seeds than the criterion was set for) or there are fewer warm
+    checkpoints than ``min_warm_checkpoints``."""
     per_warm = {}
     for warm, seeds in runs.items():
         flags = [run_metrics(c["val"], c["train"])["collapsed"] for c in seeds.values()]
@@ -81,9 +83,10 @@ def mode_criterion(runs: dict, general_mode: str, min_collapsed: int, min_warm_c
         per_warm[warm] = {"collapsed": collapsed, "runs": len(flags), "share_start": start, "share_end": end,
                           "share_falls": end < start, "met": collapsed >= min_collapsed and end < start}
     met = sum(w["met"] for w in per_warm.values())
+    judged = len(per_warm) >= min_warm_checkpoints and all(w["runs"] >= min_collapsed for w in per_warm.values())
     return {"general_mode": general_mode, "min_collapsed": min_collapsed,
             "min_warm_checkpoints": min_warm_checkpoints, "per_warm": per_warm, "warm_checkpoints_met": met,
-            "met": met >= min_warm_checkpoints}
+            "met": met >= min_warm_checkpoints if judged else None}
 
 
 def reference_accuracy(val: list[tuple[int, float]], weights_steps: list[tuple[int, float]]) -> dict:

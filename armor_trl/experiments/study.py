@@ -682,8 +682,9 @@ def format_summary(summary: dict) -> str:
         c = summary["criterion"]
         lines += ["", f"## The plain-GRPO criterion ({c['arm']}): at least {c['min_collapsed']} runs collapse and the "
                   f"held-out share of `{c['general_mode']}` falls, on at least {c['min_warm_checkpoints']} warm "
-                  f"checkpoints: {'met' if c['met'] else 'NOT met'} ({c['warm_checkpoints_met']} of "
-                  f"{len(c['per_warm'])})", "", f"| warm checkpoint | collapsed | {c['general_mode']} share start → "
+                  f"checkpoints: " + ({True: "met", False: "NOT met"}.get(c["met"], "not judged here (fewer runs or "
+                                              "warm checkpoints than it counts)"))
+                  + f" ({c['warm_checkpoints_met']} of {len(c['per_warm'])})", "", f"| warm checkpoint | collapsed | {c['general_mode']} share start → "
                   "end | met |", "|---|---|---|---|"]
         for w, row in c["per_warm"].items():
             lines.append(f"| {w} | {row['collapsed']}/{row['runs']} | {row['share_start']:.3f} → "
