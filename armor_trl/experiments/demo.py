@@ -1,5 +1,6 @@
-"""The offline demo: the pre-registered comparison on the CPU mode testbed, GRPO next to GRPO + KL, GRPO at a lower
-lr and ARMOR, in the paper's multi-update regime.
+"""The offline demo: GRPO, GRPO + KL, GRPO at a lower lr and ARMOR on the CPU mode testbed (pre-registered).
+
+The comparison runs in the paper's multi-update regime.
 
 ``make demo`` / ``armor-trl demo`` runs ``armor-trl study`` (:mod:`.study`) on ``configs/mode_testbed.yaml`` (a tiny
 character-level Llama warm-started on 3-digit addition written two ways, worked with carries or as a direct answer;
