@@ -506,7 +506,7 @@ def demo_main(argv: list[str]) -> int:
                                                  ("--workers", args.workers)) if value not in (None, False)]
         real_only = [flag for flag, value in (("--steps", args.steps), ("--seed", args.seed)) if value is not None]
         if args.real and testbed_only:
-            raise ValueError(f"{', '.join(testbed_only)}: for the collapse testbed only, not with --real (a fixed "
+            raise ValueError(f"{', '.join(testbed_only)}: for the testbed demo only, not with --real (a fixed "
                              "smoke setting; --steps and --seed are its options).")
         if not args.real and real_only:
             raise ValueError(f"{', '.join(real_only)}: with --real only (the testbed's steps and seeds are its recipe "

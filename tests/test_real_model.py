@@ -123,8 +123,8 @@ def test_demo_real_is_a_labelled_smoke_run_of_both_methods(model_path, tmp_path,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--real", "--smoke"], "--smoke: for the collapse testbed only, not with --real"),
-    (["--real", "--workers", "2", "--config", "x.yaml"], "--config, --workers: for the collapse testbed only"),
+    (["--real", "--smoke"], "--smoke: for the testbed demo only, not with --real"),
+    (["--real", "--workers", "2", "--config", "x.yaml"], "--config, --workers: for the testbed demo only"),
     (["--steps", "2"], "--steps: with --real only"),
     (["--real", "--steps", "0"], "steps must be an integer >= 1"),
 ])

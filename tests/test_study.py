@@ -466,3 +466,12 @@ def test_criterion_section_is_checked():
         study.load_criterion({"criterion": {**good, "extra": 1}})
     with pytest.raises(ValueError, match="study.criterion.min_collapsed must be an integer >= 1, got 0"):
         study.load_criterion({"criterion": {**good, "min_collapsed": 0}})
+
+
+def test_a_bad_criterion_is_refused_before_anything_trains(tmp_path, monkeypatch):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"base: {os.path.relpath(REPO / 'configs' / 'mode_testbed.yaml', tmp_path)}\n"
+                      "study: {criterion: {arm: grpo, general_mode: carrying, min_collapsed: 0, min_warm_checkpoints: 2}}\n")
+    monkeypatch.setattr(study, "warm_start", lambda *a, **k: pytest.fail("warmed up before checking the criterion"))
+    with pytest.raises(ValueError, match="study.criterion.min_collapsed must be an integer >= 1"):
+        study.run_study(str(recipe), ["grpo"], 1, 1, str(tmp_path / "out"), smoke=True)

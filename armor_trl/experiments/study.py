@@ -42,7 +42,7 @@ DEFAULT_CONFIG = CONFIGS / "tiny_demo.yaml"
 DEFAULT_ARMS_FILE = CONFIGS / "study" / "arms.yaml"
 BASELINES = ("grpo", "grpo_small_lr")  # default: every other arm is compared with these, where they ran
 STUDY_KEYS = ("arms", "default_arms", "seeds", "warmup_seeds", "tuning_seeds", "primary", "select", "criterion")
-CRITERION_KEYS = ("arm", "general_mode", "min_collapsed", "min_warm_checkpoints")  # `study: criterion:`  # `study:`
+CRITERION_KEYS = ("arm", "general_mode", "min_collapsed", "min_warm_checkpoints")  # `study: criterion:`
 DEFAULT_SEEDS = 3
 SELECT_METRIC = "final"  # a select: alias picks the arm with the best mean of this on the tuning seeds
 
@@ -338,6 +338,7 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
     all_arms, default_arms = load_arms(recipe, arms_file)
     section = recipe.get("study") or {}
     selection = load_selection(section, all_arms)
+    criterion = load_criterion(section)  # checked before anything trains
     names = list(dict.fromkeys(arms or default_arms))
     chosen = select_arms(all_arms, names, selection)
     aliases = [n for n in names if n in selection]
@@ -424,7 +425,6 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
     curves = {w: {name: {seed: read_curves(metrics_path(out, arm, seed, tag(w))) for seed in seed_list}
                   for name, arm in ran.items()} for w in models}
     summary = summarize_study(curves, resamples, BASELINES if baselines is None else baselines, primary)
-    criterion = load_criterion(section)
     if criterion and criterion["arm"] in ran:
         summary["criterion"] = {"arm": criterion["arm"], **stats.mode_criterion(
             {w: curves[w][criterion["arm"]] for w in curves}, criterion["general_mode"], criterion["min_collapsed"],
