@@ -84,8 +84,9 @@ def format_demo(summary: dict) -> str:
     if "se_binomial" in ev:
         lines += ["", f"One evaluation's sampling standard error ≤ {ev['se_binomial']:.4f}. `collapsed`: final "
                   f"≥ {stats.COLLAPSE_DROP} below the peak and below the start while training reward rose."]
-    lines += ["", f"Details (every paired metric, plots with bands): {out}/summary.md, {out}/curves.png, kl.png, "
-              "reference.png",
+    plots = [name for name in ("kl.png", "start_kl.png", "modes.png", "reference.png") if (Path(out) / name).is_file()]
+    lines += ["", f"Details (every paired metric, plots with bands): {out}/summary.md, {out}/curves.png, "
+              + ", ".join(plots),
               f"The pre-registered study (3 warm checkpoints x 3 seeds, verdict): {FULL_STUDY[0]} — rerun with "
               f"`{FULL_STUDY[1]}`",
               f"{summary['runs_executed']} run(s) trained now, {summary['wall_time_s']:.0f} s."]
