@@ -79,9 +79,8 @@ CARRYING = "carrying"
 
 
 def classify_carries(text: str) -> str:
-    """:func:`classify`, with the worked form split in two: ``carrying`` when a column takes a carry (``+1``
-    after its two digits, as in ``2+0+1=3``), ``worked`` when none does (``3+1=4`` adds the digit 1, no carry). (A measurement on the testbed's first warm checkpoint: direct answers to held-out
-    carry problems were never right, worked ones 45%; docs/evidence.md.)"""
+    """:func:`classify`, with the worked form split in two: ``carrying`` when a column takes a carry (``+1`` after
+    its two digits, as in ``2+0+1=3``), ``worked`` when none does (``3+1=4`` adds the digit 1: no carry)."""
     mode = classify(text)
     return CARRYING if mode == WORKED and _CARRY.search(text) else mode
 
