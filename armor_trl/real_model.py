@@ -185,8 +185,9 @@ def load(cache_dir: str | os.PathLike | None = None):
 # (question, worked solution, final number): one or two operations on small numbers, worded like GSM8K. The worked
 # solutions end in "#### N" as GSM8K's do, so a file of these rows is read as the gsm8k schema by armor-trl eval.
 # Measured (8 samples each, 48 new tokens, temperature 0.7, the question alone as the user message): the model
-# solved 26% of the samples, 0 to 5 of 8 per problem; asking for a \boxed{} answer lowers that to about 5% (it writes
-# about the box instead of the sum), so the prompts carry no instruction.
+# solved 26% of the samples, 0 to 5 of 8 per problem (cut to the 32 tokens the demo and tests sample: as often);
+# asking for a \boxed{} answer lowers that to about 5% (it writes about the box instead of the sum), so the prompts
+# carry no instruction.
 EASY_PROBLEMS = (
     ("Tom has 3 apples. He buys 4 more apples. How many apples does Tom have now?", "3 + 4 = 7", 7),
     ("Anna reads 2 pages in the morning and 3 pages in the evening. How many pages does she read in total?",

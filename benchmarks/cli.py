@@ -65,7 +65,8 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
     parser.add_argument("--regime-reps", type=int, default=None, help="regime repetitions (default: the preset's)")
     parser.add_argument("--max-load", type=float, default=d["max_load"],
                         help="repeat a run when the 1-min load average before or after it exceeds this (default: CPUs)")
-    parser.add_argument("--load-retries", type=int, default=d["load_retries"], help="repeats per busy run, at most")
+    parser.add_argument("--load-retries", type=int, default=None,
+                        help="repeats per busy run, at most (default: the preset's, else the defaults')")
     parser.add_argument("--plot", default=None, help="also write the regime plot (PNG) here")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: the preset's (cpu)")
     parser.add_argument("--vllm", action="store_true",
@@ -116,6 +117,8 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
             parser.error("--vllm needs the vllm package (pip install 'armor-trl[vllm]')")
     if args.max_load is None:
         args.max_load = float(os.cpu_count() or 1)
+    if args.load_retries is None:
+        args.load_retries = bench.presets[args.preset].get("load_retries", d["load_retries"])
     if args.load_retries < 0:
         parser.error("--load-retries must be >= 0")
     return args

@@ -49,7 +49,7 @@ class BenchConfig:
     baseline: str
     lora_baseline: str
     targets: list
-    presets: dict  # name -> {"shape": {...}, "calibration_draws": int, "whatif_repeats": int}
+    presets: dict  # name -> {"shape": {...}, "calibration_draws": int, "whatif_repeats": int, optional "load_retries"}
     defaults: dict
     training: dict
     lora: dict

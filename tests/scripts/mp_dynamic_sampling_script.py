@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
 from testing import scripted  # noqa: E402
@@ -41,20 +41,10 @@ class Recording(ArmorGRPOTrainer):
         return batch
 
 
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.step and state.global_step == self.step:
-            control.should_training_stop = True
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--stop_at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     cli = parser.parse_args()
     args = ArmorConfig(
@@ -68,7 +58,6 @@ def main():
         model=cli.model, reward_funcs=scripted, args=args, train_dataset=dataset,
         processing_class=AutoTokenizer.from_pretrained(cli.model),
     )
-    trainer.add_callback(StopAt(cli.stop_at))
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     policy = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     result = {
