@@ -4,6 +4,9 @@ and no test module importing another (or conftest)."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -56,3 +59,24 @@ def test_every_launch_script_is_launched_by_a_test():
     assert scripts, "tests/scripts/ holds the scripts the tests launch"
     sources = "\n".join(p.read_text() for p in _test_files())
     assert [name for name in scripts if name not in sources] == []
+
+
+def test_xdist_groups_are_in_effect(tmp_path):
+    """`make test` relies on --dist loadgroup (tests/conftest.py): the tests of a group run on one worker, so launches
+    do not pile up and module-scoped runs are made once. With pytest 9.2 and pytest-xdist 3.8 the groups are silently
+    ignored (pytest-xdist#1386); pyproject.toml pins pytest below 9.2. This fails if the installed pair does not group."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_grouped.py").write_text(
+        "import pytest\n\n"
+        + "".join(f"@pytest.mark.xdist_group('one')\ndef test_{i}():\n    pass\n\n" for i in range(4))
+        + "".join(f"def test_free_{i}():\n    pass\n\n" for i in range(4))
+    )
+    done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                           "loadgroup", "test_grouped.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    grouped = re.findall(r"\[(gw\d+)\].*PASSED test_grouped.py::test_\d+(@one)?", done.stdout)
+    assert len(grouped) == 4, done.stdout[-2000:]
+    assert all(suffix == "@one" for _, suffix in grouped), (
+        "pytest-xdist's --dist loadgroup is not grouping with this pytest (pytest-xdist#1386): install the versions "
+        "pyproject.toml's test extra pins (make install)")
+    assert len({worker for worker, _ in grouped}) == 1, done.stdout[-2000:]

@@ -15,7 +15,11 @@ what it saw; the assertions read those files:
 * checkpoints carry the reference as it was at that step, and a multi-process run resumed from one continues
   exactly like the uninterrupted run (DDP and ZeRO-3);
 * with the same seed the three backends draw the same samples, so their metrics and weights must agree;
-  a single-process run of the same global batch must log the same metrics and reset on the same schedule.
+  a single-process run of the same global batch must log the same metrics and reset on the same schedule;
+* validation through the trainer's generation path, sharded over the processes (DDP, ZeRO-3; the runs pass
+  ``--validate``), gives exactly one process's avg@k / pass@k and samples on the initial weights, sampled as well
+  as greedy, logs its metrics on every process during training and leaves training's sampling settings and draws
+  as they were (the ZeRO-2 run, which does not validate, matches the DDP run that does).
 
 Run them with ``pytest -m slow tests/test_multiprocess.py`` (the DeepSpeed tests need ``pip install deepspeed``;
 its first launch on a machine compiles a small CPU communication op, about 30 s). The ZeRO-3 + CPU offload run is
@@ -71,7 +75,7 @@ def run_single(model: str, out: Path) -> list[dict]:
     # One process with the same global batch (2 processes x 8 rows = 16 rows = 4 groups per step).
     command = [
         sys.executable, str(SCRIPT), "--model", model, "--out", str(out),
-        "--per_device_train_batch_size", "16", *COMMON_ARGS,
+        "--per_device_train_batch_size", "16", *COMMON_ARGS, "--validate",
     ]  # fmt: skip
     return _launch(command, out, 1)
 
@@ -165,19 +169,45 @@ def check_run(ranks: list[dict], processes: int, distributed_type: str) -> None:
             assert _close(entry["armor/ratio_policy_mean"], 1.0)
 
 
+def _training_logs(rank: dict) -> list[dict]:
+    return [entry for entry in rank["log_history"] if not any(key.startswith("val/") for key in entry)]
+
+
 def check_same_run(ranks: list[dict], baseline: list[dict], what: str) -> None:
     """Two backends, same seed and data: same samples, so the same metrics and (up to float noise) weights."""
     for r, b in zip(ranks, baseline, strict=True):
         for mine, theirs in zip(r["rounds"], b["rounds"], strict=True):
             for key in ("group_prompts", "found", "rollout_rewards", "is_anchor"):
                 assert mine[key] == theirs[key], f"{what}: rank {r['rank']} step {mine['step']} {key} differs"
-        for mine, theirs in zip(r["log_history"], b["log_history"], strict=True):
+        for mine, theirs in zip(_training_logs(r), _training_logs(b), strict=True):
             for key, value in theirs.items():
                 if key in TIMING_KEYS or not isinstance(value, (int, float)):
                     continue
                 assert _close(mine.get(key), value, rel=1e-3, abs_=1e-5), f"{what}: {key} {mine.get(key)} vs {value}"
         assert _close(r["final"]["policy_checksum"], b["final"]["policy_checksum"], rel=1e-6)
         assert _close(r["final"]["reference_checksum"], b["final"]["reference_checksum"], rel=1e-6)
+
+
+def check_validation(ranks: list[dict], single: list[dict]) -> None:
+    """Sharded validation equals one process's on the same (initial) weights, and is logged on every process."""
+    one = single[0]["validation"]
+    assert 0 < sum(one["sampled"]["correct_counts"]) < 4 * 7  # the sampled comparison is not vacuous
+    for r in ranks:
+        mine = r["validation"]
+        assert mine["on_every_process"] and one["on_every_process"]
+        for what in ("sampled", "greedy"):
+            for key in ("correct_counts", "avg@4", "pass@2", "samples"):
+                assert mine[what][key] == one[what][key], (r["rank"], what, key)
+        assert mine["callback_history"][0] == one["callback_history"][0]  # step 0, before training
+        assert mine["settings_after"] == mine["settings_before"]  # training's sampling settings restored
+    # during training: the last step's validation is in log_history on every process, with the same values
+    val_entries = [[e for e in r["log_history"] if any(k.startswith("val/") for k in e)] for r in ranks]
+    assert [e["step"] for e in val_entries[0]] == [MAX_STEPS] and all(v == val_entries[0] for v in val_entries)
+    assert val_entries[0][0]["val/avg@4"] == ranks[0]["validation"]["callback_history"][-1]["val/avg@4"]
+    # padded shards (7 problems -> 4 per process): every process made the same generation calls
+    calls = [r["validation"]["generation_calls"] for r in ranks]
+    assert all(c == calls[0] for c in calls)
+    assert ranks[0]["validation"]["generation_calls_in_training"] == 2 * 4  # steps 0 and 3, a call per problem
 
 
 def check_resumed(resumed: list[dict], full: list[dict], from_step: int, what: str) -> None:
@@ -210,7 +240,7 @@ def ddp_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ddp_run(tiny_model_path, ddp_dir):
-    return run_torchrun(tiny_model_path, ddp_dir, *SAVING)
+    return run_torchrun(tiny_model_path, ddp_dir, *SAVING, "--validate")
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +251,7 @@ def zero3_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3_run(tiny_model_path, zero3_dir):
     pytest.importorskip("deepspeed")
-    return run_accelerate("zero3.yaml", tiny_model_path, zero3_dir, *SAVING)
+    return run_accelerate("zero3.yaml", tiny_model_path, zero3_dir, *SAVING, "--validate")
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +283,12 @@ def test_single_process_matches_ddp_structure(single_run, ddp_run):
 
 
 @pytest.mark.slow
+def test_ddp_validation_equals_one_process(ddp_run, single_run):
+    assert all(r["validation"]["policy_sharded"] is False for r in ddp_run)
+    check_validation(ddp_run, single_run)
+
+
+@pytest.mark.slow
 def test_ddp_resume_matches_uninterrupted(tiny_model_path, tmp_path, ddp_dir, ddp_run):
     checkpoint = ddp_dir / "trainer" / f"checkpoint-{SAVE_STEPS}"
     resumed = run_torchrun(tiny_model_path, tmp_path, "--resume_from", str(checkpoint))
@@ -273,6 +309,12 @@ def test_deepspeed_zero3(zero3_run, ddp_run):
     check_run(zero3_run, NUM_PROCESSES, "DEEPSPEED")
     assert all(r["deepspeed_stage"] == 3 and r["reference_sharded"] for r in zero3_run), "ZeRO-3 should shard π_ref"
     check_same_run(zero3_run, ddp_run, "ZeRO-3 vs DDP")
+
+
+@pytest.mark.slow
+def test_zero3_validation_equals_one_process(zero3_run, single_run):
+    assert all(r["validation"]["policy_sharded"] for r in zero3_run)  # really sharded, not a DDP fallback
+    check_validation(zero3_run, single_run)
 
 
 @pytest.mark.slow

