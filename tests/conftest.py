@@ -3,12 +3,12 @@
 Helpers (reward functions, trainer factories, recorders) live in testing.py; no test module imports conftest.
 
 Under pytest-xdist (``make test`` runs ``-n auto --dist loadgroup``) the slow tests, those that launch several
-processes (torchrun, accelerate launch, DeepSpeed), form two xdist groups of about equal length (LAUNCH_GROUPS):
-the tests of a group run one after another on one worker, so at most two launches share the cores, their ports
-never clash (the CLI's accelerate launches use the default port) and the module-scoped runs of
-test_multiprocess.py are made once; the tests that load the real model form a third group (test_real_model.py).
-xdist sends the largest units out first; the other tests fill in. (tests/test_layout.py checks that the installed
-pytest and pytest-xdist really group: pytest 9.2 with pytest-xdist 3.8 silently does not, pytest-xdist#1386.) Each worker keeps torch to its share of the cores.
+processes (torchrun, accelerate launch, DeepSpeed), form two xdist groups (LAUNCH_GROUPS): the tests of a group run
+one after another on one worker, so at most two launches share the cores, their ports never clash (the CLI's
+accelerate launches use the default port) and the module-scoped runs of test_multiprocess.py are made once. The
+tests that load the real model form a third group (test_real_model.py). xdist sends the groups out first, then the
+other tests fill in. tests/test_layout.py checks that the installed pytest and pytest-xdist really group (pytest 9.2
+with pytest-xdist 3.8 silently does not: pytest-xdist#1386). Each worker keeps torch to its share of the cores.
 Every test still gets its own tmp_path.
 """
 

@@ -64,7 +64,8 @@ def test_every_launch_script_is_launched_by_a_test():
 def test_xdist_groups_are_in_effect(tmp_path):
     """`make test` relies on --dist loadgroup (tests/conftest.py): the tests of a group run on one worker, so launches
     do not pile up and module-scoped runs are made once. With pytest 9.2 and pytest-xdist 3.8 the groups are silently
-    ignored (pytest-xdist#1386); pyproject.toml pins pytest below 9.2. This fails if the installed pair does not group."""
+    ignored (pytest-xdist#1386); pyproject.toml pins pytest below 9.2. This fails if the installed pair does not
+    group."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_grouped.py").write_text(
         "import pytest\n\n"

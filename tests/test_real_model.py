@@ -84,7 +84,8 @@ def test_lora_armor_run_finds_anchors_moves_the_adapter_and_evaluates(model_path
     trainer = ArmorGRPOTrainer(model=model_path, reward_funcs=[math_verify_reward], args=args, train_dataset=train,
                                peft_config=lora)
     validation = ValidationCallback(held_out, math_verify_reward, every_steps=STEPS, k=2, temperature=0.7,
-                                    max_new_tokens=SAMPLING["max_completion_length"], seed=0, jsonl_path=str(out / "val_metrics.jsonl"))
+                                    max_new_tokens=SAMPLING["max_completion_length"], seed=0,
+                                    jsonl_path=str(out / "val_metrics.jsonl"))
     validation.attach(trainer)
     assert trainer.processing_class.chat_template  # prompts go through the model's own chat template
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -107,7 +108,8 @@ def test_lora_armor_run_finds_anchors_moves_the_adapter_and_evaluates(model_path
     data = real_model.write_easy_math_jsonl(tmp_path / "held_out.jsonl", "test")
     capsys.readouterr()
     assert main(["eval", "--model", str(out), "--dataset", data, "--chat", "true", "--k", "2", "--temperature", "0.7",
-                 "--max_new_tokens", str(SAMPLING["max_completion_length"]), "--output_dir", str(tmp_path / "eval")]) == 0
+                 "--max_new_tokens", str(SAMPLING["max_completion_length"]),
+                 "--output_dir", str(tmp_path / "eval")]) == 0
     assert f"on {data} (3 problems, n=2): avg@2 = " in capsys.readouterr().out
     result = json.loads((tmp_path / "eval" / EVAL_RESULTS_FILE).read_text())
     assert result["model"] == str(out) and result["num_problems"] == 3 and 0 <= result["avg@2"] <= 1

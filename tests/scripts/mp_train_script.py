@@ -369,7 +369,8 @@ def main(argv=None):
     if cli.validate:
         result["validation"] = {
             **direct.result, "on_every_process": callback.on_every_process, "callback_history": callback.history,
-            "generation_calls": seam.calls, "generation_calls_in_training": len(seam.calls) - direct.result["direct_calls"],
+            "generation_calls": seam.calls,
+            "generation_calls_in_training": len(seam.calls) - direct.result["direct_calls"],
             "policy_sharded": any(hasattr(p, "ds_id") for p in trainer.model_wrapped.parameters()),
         }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
