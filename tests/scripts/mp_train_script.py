@@ -53,22 +53,22 @@ from armor_trl import ArmorConfig, ArmorGRPOTrainer, evaluation  # noqa: E402
 RECORD = {"phase": "rollout", "calls": []}
 
 
-def has_digit(completions, **kwargs):
-    """1.0 when the completion contains a digit (a random tiny model hits it about half the time)."""
+def digit_verifier(completions, **kwargs):
+    """1.0 when the completion contains a digit (a random tiny model hits it about half the time); validation's
+    verifier, not recorded."""
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    rewards = [float(any(ch.isdigit() for ch in text)) for text in texts]
+    return [float(any(ch.isdigit() for ch in text)) for text in texts]
+
+
+def has_digit(completions, **kwargs):
+    """The training reward: digit_verifier, each call recorded in RECORD (the training rounds' own)."""
+    rewards = digit_verifier(completions)
     RECORD["calls"].append({"phase": RECORD["phase"], "prompts": list(kwargs["prompts"]), "rewards": rewards})
     return rewards
 
 
 NUM_VAL_PROBLEMS = 7  # odd: with 2 processes the last shard is padded
 VALIDATION = dict(k=2, num_samples=4, max_new_tokens=6, top_p=0.9, batch_size=4)  # one problem per call
-
-
-def digit_verifier(completions, **kwargs):
-    """has_digit for validation, not recorded (RECORD is the training rounds' own)."""
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [float(any(ch.isdigit() for ch in text)) for text in texts]
 
 
 class CountingSeam:
