@@ -22,7 +22,8 @@ what it saw; the assertions read those files:
   as they were (the ZeRO-2 run, which does not validate, matches the DDP run that does).
 
 Run them with ``pytest -m slow tests/test_multiprocess.py`` (the DeepSpeed tests need ``pip install deepspeed``;
-its first launch on a machine compiles a small CPU communication op, about 30 s). The ZeRO-3 + CPU offload run is
+the script skips DeepSpeed's CPU shared-memory op, which only tensor-parallel inference uses and whose compile at
+the first launch took about 60 s of the suite). The ZeRO-3 + CPU offload run is
 opt-in (``ARMOR_TEST_ZERO3_OFFLOAD=1``): its first launch also compiles DeepSpeed's CPU Adam, which takes minutes.
 """
 

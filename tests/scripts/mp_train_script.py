@@ -292,9 +292,22 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def skip_deepspeed_shm_comm_op() -> None:
+    """DeepSpeed's CPU backend compiles a shared-memory all-reduce op at its first launch on a machine (about 60 s on
+    2 cores) that only its ``inference_all_reduce`` (tensor-parallel inference) uses; ZeRO training reduces through
+    torch.distributed (gloo here), so marked unavailable the op is neither built nor missed. DeepSpeed keeps the
+    table of available ops in one dict for edits like this one (deepspeed/ops/__init__.py); should it move, the op
+    is compiled again and the runs only take longer."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def main(argv=None):
     started = time.time()
     cli = parse_args(argv)
+    if cli.no_cpu:  # DeepSpeed, before accelerate starts its communication backend
+        skip_deepspeed_shm_comm_op()
     os.makedirs(cli.out, exist_ok=True)
     args = ArmorConfig(
         output_dir=os.path.join(cli.out, "trainer"),
