@@ -8,12 +8,14 @@ one after another on one worker, so at most two launches share the cores, their 
 accelerate launches use the default port) and the module-scoped runs of test_multiprocess.py are made once. The
 tests that load the real model form a third group (test_real_model.py). xdist sends the groups out first, then the
 other tests fill in. tests/test_layout.py checks that the installed pytest and pytest-xdist really group (pytest 9.2
-with pytest-xdist 3.8 silently does not: pytest-xdist#1386). Each worker keeps torch to its share of the cores.
+with pytest-xdist 3.8 silently does not: pytest-xdist#1386). Each worker keeps torch to its share of the cores and,
+once the tests are collected, freezes the imported modules' objects out of the garbage collector.
 Every test still gets its own tmp_path.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +41,14 @@ def pytest_configure(config):
         threads = max(1, (os.cpu_count() or 1) // int(workers))
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def pytest_collection_finish(session):
+    # Every test module is imported now, with torch, transformers, TRL and PEFT: some 400k objects that live as long
+    # as the process. Frozen, they stay out of every full garbage collection: each Trainer.train starts with one
+    # (accelerate's free_memory), 0.2 s over this heap, and building models triggers more. Measured on six trainer
+    # test modules (98 tests, 2 workers): 32.5 s -> 17.9 s. Objects the tests create are collected as before.
+    gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
