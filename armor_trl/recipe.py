@@ -438,8 +438,29 @@ def _recipe(argv: list[str]) -> dict:
     return {} if path is None else load_recipe(path)
 
 
+# transformers 5.18 renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs); the recipes use the new
+# names, and vLLM's CPU build needs transformers < 5.18 (docs/vllm.md), where only the old ones exist
+RENAMED_TRAINING_FIELDS = {"activation_checkpointing": "gradient_checkpointing",
+                           "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+
+
+def with_installed_names(recipe: dict, fields=None) -> dict:
+    """``recipe`` with each key of ``RENAMED_TRAINING_FIELDS`` under the name the installed transformers'
+    TrainingArguments has (``fields``: its field names, for tests)."""
+    if fields is None:
+        from transformers import TrainingArguments
+
+        fields = TrainingArguments.__dataclass_fields__
+    renamed = dict(recipe)
+    for new, old in RENAMED_TRAINING_FIELDS.items():
+        if new in renamed and new not in fields and old in fields:
+            renamed[old] = renamed.pop(new)
+    return renamed
+
+
 def _flatten_recipe(argv: list[str]) -> tuple[list[str], str | None]:
-    """Point --config at a merged copy when the recipe has a ``base`` (TRL's parser reads one plain YAML file).
+    """Point --config at a merged copy when the recipe has a ``base`` (TRL's parser reads one plain YAML file) or uses a
+    field name the installed transformers does not have yet (:func:`with_installed_names`).
     Returns (argv, the temporary file or None); the caller removes the file once parsed."""
     path = _cli_value(argv, "config")
     if path is None:
@@ -447,9 +468,11 @@ def _flatten_recipe(argv: list[str]) -> tuple[list[str], str | None]:
     import tempfile
 
     raw = read_yaml(path)
-    if not isinstance(raw, dict) or "base" not in raw:
+    if not isinstance(raw, dict):
         return argv, None  # a file that is no mapping is refused by load_recipe, naming it
-    recipe = load_recipe(path)
+    recipe = with_installed_names(load_recipe(path) if "base" in raw else raw)
+    if "base" not in raw and recipe == raw:
+        return argv, None
     merged = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="armor-recipe-", delete=False)
     try:
         with merged:

@@ -110,6 +110,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         uses_peft = peft_config is not None or (not isinstance(model, str) and is_peft_model(model))
         checks.check_arguments(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft,
                                train_dataset)
+        checks.check_vllm_device(args)
         self.reference = self.reference_server = self.anchor_rollout = None
         # optimizer step ARMOR started at: 0, or None while it is dormant (collapse_guard="armor" before the switch)
         self.armor_started_at: int | None = None if args.collapse_guard == "armor" else 0
@@ -118,12 +119,14 @@ class ArmorGRPOTrainer(GRPOTrainer):
         ref_copy = None
         if args.armor_enabled and not uses_peft and ref_model is None and not isinstance(model, str):
             ref_copy = copy_model_for_reference(model)
-        super().__init__(
-            model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
-            peft_config=peft_config, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory,
-        )
+        with seam.colocated_engine_built(args):  # ArmorConfig's engine options; on a CPU, weights TRL can sync
+            super().__init__(
+                model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                eval_dataset=eval_dataset, processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
+                quantization_config=quantization_config, peft_config=peft_config, tools=tools, rollout_func=rollout_func,
+                environment_factory=environment_factory,
+            )
         self.armor_state = ArmorState()
         self.armor_state.register("schedule", lambda: {"armor_started_at": self.armor_started_at},
                                   lambda state: setattr(self, "armor_started_at", state["armor_started_at"]))

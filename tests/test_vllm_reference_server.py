@@ -73,6 +73,8 @@ def server_trainer(monkeypatch, tiny_model_path, tiny_tokenizer, dataset, tmp_pa
 
     monkeypatch.setattr("trl.trainer.grpo_trainer.VLLMGeneration", make_server)
     monkeypatch.setattr("trl.generation.vllm_generation.VLLMGeneration", make_server)
+    # server mode needs a CUDA trainer (NCCL weight transfer); the fake servers take the weights on the CPU
+    monkeypatch.setattr("armor_trl.checks.check_vllm_device", lambda args: None)
     peft_config = overrides.pop("peft_config", None)
     args = ArmorConfig(
         output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_reference_server_base_url=REFERENCE_URL,

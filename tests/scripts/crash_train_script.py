@@ -29,11 +29,14 @@ def main():
     parser.add_argument("--max_steps", type=int, required=True)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--vllm", action="store_true", help="generate with TRL's colocated vLLM engine (eager)")
     cli = parser.parse_args()
     dataset = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(16)]})
+    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_enforce_eager=True, vllm_max_model_length=256) if cli.vllm else {}
     args = ArmorConfig(
         output_dir=cli.output_dir,
-        **cpu_args(max_steps=cli.max_steps, save_strategy="steps", save_steps=1, ref_reset_steps=2, anchor_reward_threshold=0.1),
+        **cpu_args(max_steps=cli.max_steps, save_strategy="steps", save_steps=1, ref_reset_steps=2, anchor_reward_threshold=0.1,
+                   **engine),
     )
     trainer = ArmorGRPOTrainer(
         model=cli.model, reward_funcs=digit_share_reward, args=args, train_dataset=dataset,
@@ -43,5 +46,5 @@ def main():
     print(f"FINISHED step={trainer.state.global_step} resets={trainer.reference.resets}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # (a vLLM engine starts processes that import this file again)
     main()
