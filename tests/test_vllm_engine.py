@@ -53,8 +53,23 @@ def tokenizer():
     return build_tokenizer()
 
 
+STARTED = []  # the trainers whose engines a test started
+
+
+@pytest.fixture(autouse=True)
+def shut_engines_down():
+    """Each colocated engine holds ~1 GiB (its KV cache, VLLM_CPU_KVCACHE_SPACE) until its engine core is shut down,
+    also after the trainer is gone: shut each test's engines down after it."""
+    yield
+    while STARTED:
+        engine = STARTED.pop().vllm_generation
+        engine.llm.llm_engine.engine_core.shutdown()
+        del engine.llm
+
+
 def vllm_trainer(model_path, tokenizer, dataset, tmp_path, **overrides):
-    return make_trainer(model_path, tokenizer, dataset, tmp_path, **{**ENGINE, **overrides})
+    STARTED.append(make_trainer(model_path, tokenizer, dataset, tmp_path, **{**ENGINE, **overrides}))
+    return STARTED[-1]
 
 
 class EngineCalls:
@@ -301,6 +316,7 @@ def test_with_both_switches_off_it_trains_like_grpo_trainer_on_the_same_engine(m
     with seam.colocated_engine_built(SimpleNamespace(**ENGINE, vllm_dtype="auto")):
         plain = GRPOTrainer(model=model_path, reward_funcs=digit_share_reward, args=plain_args,
                             train_dataset=prompt_dataset, processing_class=tokenizer)
+    STARTED.append(plain)
     plain_engine = EngineCalls(plain)
     plain.train()
     armor = vllm_trainer(model_path, tokenizer, prompt_dataset, tmp_path / "armor", reward_funcs=digit_share_reward,
@@ -326,3 +342,15 @@ def test_train_command_with_use_vllm_on_the_tiny_recipe(model_path, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     records = [json.loads(line) for line in (output_dir / "val_metrics.jsonl").read_text().splitlines()]
     assert [record["step"] for record in records if "step" in record][-1] == 2
+
+
+# --- scripts/gpu_check.py, as far as it runs on this engine ----------------------------------------------------------
+def test_gpu_checks_armor_run_trains_on_the_colocated_engine(model_path, tokenizer, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    result = gpu_check.run("armor", model_path, tokenizer, steps=2, lora=False, vllm=True, output_root=str(tmp_path))
+    assert result["run"] == "armor" and result["median_step_s"] > 0 and result["peak_gpu_gib"] > 0
+    assert 0 <= result["anchor_found_frac"] <= 1
