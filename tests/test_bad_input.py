@@ -21,8 +21,59 @@ def test_bf16_without_support_says_what_to_do(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: False)
     args = cpu_args(bf16=True, use_cpu=False)
-    with pytest.raises(ValueError, match="bf16=True .* set bf16=False, or use_cpu=True"):
+    with pytest.raises(ValueError, match=r"bf16=True needs a GPU with bf16 support.*leave bf16 unset.*bf16=False"):
         ArmorConfig(output_dir=str(tmp_path), **args)
+
+
+@pytest.mark.parametrize("use_cpu", [False, True])
+def test_bf16_left_at_trls_default_trains_in_fp32_on_a_cpu(tmp_path, monkeypatch, use_cpu):
+    """TRL's default bf16=None became True: transformers' "Your setup doesn't support bf16/gpu" on a CPU, slow
+    emulated bf16 with use_cpu=True. ArmorConfig resolves it to fp32 there; fp16=True still wins as in TRL."""
+    import torch
+    import transformers.utils
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: False)
+    args = cpu_args(use_cpu=use_cpu)
+    del args["bf16"]
+    config = ArmorConfig(output_dir=str(tmp_path), **args)
+    assert config.bf16 is False and config.fp16 is False
+    assert ArmorConfig(output_dir=str(tmp_path), bf16=None, **args).bf16 is False
+
+
+def test_bf16_left_at_trls_default_stays_bf16_where_the_gpu_has_it(tmp_path, monkeypatch):
+    import transformers.training_args
+    import transformers.utils
+
+    from armor_trl import config
+
+    monkeypatch.setattr(config, "default_precision", lambda use_cpu=False: "fp32" if use_cpu else "bf16")
+    for module in (transformers.utils, transformers.training_args):  # a GPU with bf16, as transformers sees it
+        monkeypatch.setattr(module, "is_torch_bf16_gpu_available", lambda: True)
+    args = cpu_args(use_cpu=False)
+    del args["bf16"]
+    assert ArmorConfig(output_dir=str(tmp_path), **args).bf16 is True
+    assert ArmorConfig(output_dir=str(tmp_path), fp16=True, **args).bf16 is False  # TRL: fp16 set, no bf16
+
+
+@pytest.mark.parametrize("capability, hip, expected", [((7, 5), None, "fp16"), ((7, 0), None, "fp16"),
+                                                      ((8, 0), None, "bf16"), ((9, 0), None, "bf16"),
+                                                      ((9, 4), "6.2", "bf16")])
+def test_default_precision_is_fp16_on_gpus_without_native_bf16(monkeypatch, capability, hip, expected):
+    """A T4 (compute capability 7.5) gets fp16 mixed precision, although torch.cuda.is_bf16_supported() says True
+    there (bf16 emulated); Ampere and newer get bf16; a CPU fp32 (the notebook's precision comes from here)."""
+    import torch
+
+    from armor_trl.config import default_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert default_precision() == expected
+    assert default_precision(use_cpu=True) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_precision() == "fp32"  # this machine has no other accelerator
 
 
 def test_dataset_without_prompt_column(tiny_model_path, tiny_tokenizer, tmp_path):
