@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 SMOLLM2_VERSION := 0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-trl test-vllm demo bench clean wheelhouse wheelhouse-check
+.PHONY: install test test-trl test-vllm demo bench clean dist wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -88,6 +88,15 @@ bench: $(STAMP)
 # ARMOR × 3 seeds from one warm checkpoint; results in results/demo/mode_testbed/ (a rerun reuses finished runs).
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/armor-trl demo
+
+# armor-trl as a wheel and a source archive in $(DIST)/ (python -m build: an isolated build environment, so it needs
+# the package index or a local one for setuptools), checked with twine. Install the wheel elsewhere with pip install
+# $(DIST)/armor_trl-<version>-py3-none-any.whl, torch first (tests/test_packaging.py installs it into a fresh venv).
+DIST ?= dist
+dist: $(STAMP)
+	rm -f $(DIST)/armor_trl-*.whl $(DIST)/armor_trl-*.tar.gz
+	$(BIN)/python -m build --outdir $(DIST) .
+	$(BIN)/twine check --strict $(DIST)/armor_trl-*
 
 # Wheels for a GPU machine without network (docs/gpu_study.md): armor-trl and what such an image lacks (trl,
 # datasets, math-verify, ...; the list is in scripts/wheelhouse.py) at this venv's versions, in $(WHEELHOUSE)/; fails

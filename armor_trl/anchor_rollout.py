@@ -17,7 +17,8 @@ import torch
 
 from . import trl_seam as seam
 from .advantages import total_rewards
-from .anchors import AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
+from .anchors import (AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask,
+                      verifier_counts)
 from .column_anchors import ColumnAnchors, verify_round
 from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
 
@@ -139,6 +140,7 @@ class AnchorRollout:
                 anchors[g][0] = known_failures[g]  # fills the slot; the group has no anchor this round
         found = torch.tensor([[cached[g] is not None] + [False] * (per_group - 1) for g in range(groups)])
         verified_frac, best_candidate = torch.empty(0), math.nan
+        counts = verifier_counts(torch.empty(0, len(weights)), weights, args.anchor_reward_threshold)
         if sampled:
             candidate_ids, rewards = self._score_candidates(
                 [group_prompt_ids[g] for g in sampled], [group_inputs[g] for g in sampled], k,
@@ -150,6 +152,7 @@ class AnchorRollout:
             verified = verified_mask(rewards, weights, args.anchor_reward_threshold, self.funcs)
             verified_frac = verified.float()[: len(used) * k]
             best_candidate = (torch.nan_to_num(rewards) * weights).sum(dim=1).max().item()
+            counts = verifier_counts(rewards[: len(used) * k], weights, args.anchor_reward_threshold, self.funcs)
             for position, g in enumerate(used):
                 for slot in range(per_group):
                     index = int(chosen[position, slot])
@@ -170,6 +173,7 @@ class AnchorRollout:
             cache_hits=torch.tensor([sum(hit is not None for hit in cached), groups], device=device, dtype=torch.float),
             rewards_per_func=scores.flatten(0, 1)[: groups * self.slots_per_group].to(device),
             best_candidate_reward=best_candidate,
+            verifier_counts=counts.to(device),
         )
         return [ids for group in anchors for ids in group], anchor_round
 

@@ -7,6 +7,7 @@ the paper) for anchors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,8 @@ class AnchorRound:
     the anchor's weighted reward, NaN where none; ``rewards_per_func`` (anchor slots, reward functions) the scores of
     the anchors that were scored when they were picked (None: TRL scores them with the group, column anchors);
     ``candidates_verified`` (candidates,) the verdict on each fresh candidate; ``cache_hits`` (hits, groups);
-    ``best_candidate_reward`` the highest weighted reward among the fresh candidates (NaN: none sampled).
+    ``best_candidate_reward`` the highest weighted reward among the fresh candidates (NaN: none sampled);
+    ``verifier_counts`` what the fresh candidates say about the verifier (:func:`verifier_counts`).
     """
 
     found: torch.Tensor
@@ -34,6 +36,7 @@ class AnchorRound:
     rewards_per_func: torch.Tensor | None = None
     column: bool = False
     best_candidate_reward: float = float("nan")  # the highest weighted reward of this round's fresh candidates
+    verifier_counts: torch.Tensor | None = None  # verifier_counts() of the fresh candidates (None: column anchors)
 
 
 def anchor_rows(num_rows: int, num_generations: int, anchors_per_group: int = 1) -> list[int]:
@@ -57,11 +60,34 @@ def verified_mask(
     out of the total; a candidate to which no function applies is never correct. ``use_funcs`` (F,) bool limits
     the decision to some functions (``anchor_reward_funcs``).
     """
+    weighted, applies = verifier_totals(rewards_per_func, weights, use_funcs)
+    return applies & (weighted >= threshold)
+
+
+def verifier_totals(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, use_funcs: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per candidate: the weighted total of the verifying reward functions that apply (None/NaN left out), and
+    whether any of them applies."""
     rewards = rewards_per_func if use_funcs is None else rewards_per_func[:, use_funcs.to(rewards_per_func.device)]
     weights = weights if use_funcs is None else weights[use_funcs.to(weights.device)]
-    applies = ~torch.isnan(rewards)
     weighted = (torch.nan_to_num(rewards) * weights.to(rewards)).sum(dim=1)
-    return applies.any(dim=1) & (weighted >= threshold)
+    return weighted, (~torch.isnan(rewards)).any(dim=1)
+
+
+def verifier_counts(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, threshold: float, use_funcs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What a round's fresh candidates say about the verifier, as a (6,) float tensor: candidates, candidates some
+    verifying function scored, verified candidates, scored candidates whose total lies outside [0, 1], and the
+    lowest and highest scored total (+inf / -inf when none was scored)."""
+    weighted, applies = verifier_totals(rewards_per_func, weights, use_funcs)
+    scored = weighted[applies]
+    return torch.tensor([
+        float(len(weighted)), float(applies.sum()), float((applies & (weighted >= threshold)).sum()),
+        float(((scored < 0) | (scored > 1)).sum()),
+        scored.min().item() if len(scored) else math.inf, scored.max().item() if len(scored) else -math.inf,
+    ])
 
 
 def select_anchors(

