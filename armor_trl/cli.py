@@ -734,8 +734,8 @@ USAGE = """usage: armor-trl {train,eval,demo,study,anchors} ...
           e.g. armor-trl eval --model PATH --dataset gsm8k --split test --k 8
   anchors pre-generate verified anchors from the reference (then train with --anchor_source column
           --anchors_dataset DIR), e.g. armor-trl anchors --config recipe.yaml --output_dir anchors/ --num_candidates 8
-  demo    the offline CPU demo: GRPO collapsing on a tiny model vs GRPO+KL, GRPO at lower lr and ARMOR, 3 seeds
-          (the collapse testbed as a study, ~8 min on 2 cores; [--seeds N] [--smoke])
+  demo    the offline CPU demo on the mode testbed (configs/mode_testbed.yaml): GRPO, GRPO+KL, GRPO at a lower lr
+          and ARMOR on a tiny model, 3 seeds each, as a study (9-12.5 min on 2 cores; [--seeds N] [--smoke] [--real])
   study   arms x seeds of one recipe (configs/study/arms.yaml), resumable, paired bootstrap CIs and plots
           e.g. armor-trl study --arms grpo,grpo_small_lr,armor --seeds 5 [--workers 2] [--output_dir results/study/x]
 
