@@ -191,3 +191,13 @@ def test_the_versions_the_readme_states_are_installed():
     assert f'"{trl}"' in pyproject
     low, high = re.search(r"\((\S+) ≤ deepspeed < (\S+),", readme).groups()
     assert f'"deepspeed>={low},<{high}"' in pyproject
+
+
+def test_user_docs_speak_of_machines_a_user_has():
+    """No page or recipe speaks of the machines this project was developed on ("the GPU image", "lent GPU machines")
+    as if the reader had them."""
+    files = [*PAGES, *sorted((REPO / "configs").rglob("*.yaml")), REPO / "Makefile"]
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not re.search(r"GPU image|\bthe image\b|\bimage's\b|\blent\b", line, flags=re.I), \
+                f"{path.relative_to(REPO)}:{number}: {line.strip()}"
