@@ -201,3 +201,44 @@ def test_user_docs_speak_of_machines_a_user_has():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             assert not re.search(r"GPU image|\bthe image\b|\bimage's\b|\blent\b", line, flags=re.I), \
                 f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+
+
+def test_files_the_docs_name_exist():
+    """A path the docs name in backticks (`benchmarks/run.py`, `scripts/gpu_check.sh`, ...) is in the repository."""
+    for page in PAGES:
+        for token in re.findall(r"`([^`\s<>*]+)`", page.read_text()):
+            if token == "armor_trl/configs":  # configs/ as the wheel ships it (pyproject.toml's package-dir)
+                continue
+            if re.fullmatch(r"(armor_trl|benchmarks|scripts|configs|tests|notebooks|docs)/[\w./-]*\w", token):
+                assert (REPO / token).exists(), f"{page.name} names {token}, which does not exist"
+
+
+def test_no_page_has_an_empty_section():
+    """No heading is followed by nothing before the next heading of its level (or a higher one), and no paragraph
+    ending in ':' by nothing before the next heading."""
+    for page in PAGES:
+        lines = re.sub(r"```.*?```", "code", page.read_text(), flags=re.S).splitlines() + ["# end"]
+        for number, line in enumerate(lines[:-1]):
+            heading = re.match(r"(#+) ", line)
+            rest = next(later for later in lines[number + 1:] if later.strip())
+            level = re.match(r"(#+) ", rest)
+            if heading and level and len(level.group(1)) <= len(heading.group(1)):
+                pytest.fail(f"{page.name}: nothing under {line!r}")
+            if not heading and line.rstrip().endswith(":") and level:
+                pytest.fail(f"{page.name}: nothing follows {line.strip()!r}")
+
+
+def test_the_readmes_costs_are_the_current_tables():
+    """The per-step costs the README quotes (ratio and paired range) are rows of docs/performance.md's current table,
+    the one regime table, measured at the commit the page names."""
+    page = (REPO / "docs" / "performance.md").read_text()
+    current = re.search(r"^## The current table.*?\((\w+), issue 20\)\n(.*?)^## ", page, flags=re.S | re.M)
+    assert current, "docs/performance.md has no '## The current table ...' section"
+    assert len(re.findall(r"^## The current table", page, flags=re.M)) == 1
+    assert f"**The current numbers are one `make bench` run at commit {current.group(1)}**" in page
+    readme = (REPO / "README.md").read_text()
+    costs = readme[readme.index("## What it costs per step"):readme.index("## Does it help?")]
+    quoted = re.findall(r"(\d\.\d\d)× \((\d\.\d\d)–(\d\.\d\d)\)", costs)
+    assert quoted, "the README quotes no cost with its range"
+    for ratio, low, high in quoted:
+        assert f"{ratio} ({low}–{high})" in current.group(2), f"README's {ratio}× ({low}–{high}) is not in the table"
