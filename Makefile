@@ -98,7 +98,7 @@ dist: $(STAMP)
 	$(BIN)/python -m build --outdir $(DIST) .
 	$(BIN)/twine check --strict $(DIST)/armor_trl-*
 
-# Wheels for a GPU machine without network (docs/gpu_study.md): armor-trl and what such an image lacks (trl,
+# Wheels for a GPU machine without network (docs/gpu_study.md): armor-trl and what such a machine lacks (trl,
 # datasets, math-verify, ...; the list is in scripts/wheelhouse.py) at this venv's versions, in $(WHEELHOUSE)/; fails
 # over $(WHEELHOUSE_MAX_MIB) MiB. WHEELHOUSE_EXTRA='name==version ...' adds wheels (Linux x86_64, for each CPython
 # version in WHEELHOUSE_PYTHONS).
@@ -111,7 +111,7 @@ wheelhouse: $(STAMP)
 		--python_versions $(WHEELHOUSE_PYTHONS) $(if $(strip $(WHEELHOUSE_EXTRA)),--extra $(WHEELHOUSE_EXTRA))
 
 # Opt-in, not in CI (needs the package index, a few minutes): installs from the wheelhouse alone (--no-index) into
-# a scratch venv holding only the GPU image's packages, then imports armor_trl, trl, math_verify, runs armor-trl --help.
+# a scratch venv holding only the packages assumed on the GPU machine, then imports armor_trl, trl, math_verify, runs armor-trl --help.
 wheelhouse-check: wheelhouse
 	$(BIN)/python scripts/wheelhouse.py check --wheelhouse $(WHEELHOUSE)
 

@@ -5,7 +5,20 @@ processes) does not pull in torch, transformers and TRL. No public name may equa
 the submodule would replace the package attribute (hence the math lives in ``mixture``, not ``mixed_ratio``).
 """
 
+import logging
 from importlib import import_module
+
+
+class _NoCpuAcceleratorNotice(logging.Filter):
+    """DeepSpeed logs "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    when it is imported on a machine without a GPU; accelerate and transformers import it wherever it is installed
+    (the ``deepspeed`` extra), so every CPU run printed it. Dropped here; its other messages pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Setting accelerator to CPU")
+
+
+logging.getLogger("DeepSpeed").addFilter(_NoCpuAcceleratorNotice())  # the logger deepspeed.utils.logger creates
 
 __version__ = "0.1.0"
 _PUBLIC = {

@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import difflib
+
 from transformers import ProcessorMixin
+
+
+def close_names(name: str, known) -> list[str]:
+    """The known names closest to ``name`` (difflib: at most 3, similarity >= 0.75), best first."""
+    return difflib.get_close_matches(name, list(known), n=3, cutoff=0.75)
+
+
+def did_you_mean(name: str, known, prefix: str = "") -> str:
+    """`` (did you mean X?)`` naming the known names closest to ``name``, or "" when none is close; ``prefix`` is put
+    before each (``--`` for flags)."""
+    close = close_names(name, known)
+    return f" (did you mean {' or '.join(prefix + c for c in close)}?)" if close else ""
+
+
+def unknown_names(names, known, prefix: str = "") -> str:
+    """``names`` each with its close-name suggestion, comma-separated (for an unknown-field error)."""
+    return ", ".join(prefix + name + did_you_mean(name, known, prefix) for name in names)
 
 
 def check_arguments(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft,

@@ -23,6 +23,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from .checks import close_names, unknown_names
 from .recipe import (
     DataArguments, TrainScriptArguments, build_trainer, held_out_source, load_datasets, named_validation_sets,
     parse_train_args, read_json, read_jsonl, recipe_value, resolve_resume_from_checkpoint, train_datasets,
@@ -326,6 +327,27 @@ def require_recipe(argv: list[str], command: str) -> None:
                          "--dataset_name.")
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's first non-empty line (transformers' hub errors run to several), else its type's name."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def check_models_reachable(script_args, training_args, model_args) -> None:
+    """The model (and a separate reference) can be found: a folder, or a hub id that is cached or reachable. Reads
+    only its config, before any weights load; a ValueError of one line naming the field otherwise (as
+    ``armor-trl eval --model`` gives), not a traceback from deep in transformers."""
+    from transformers import AutoConfig
+
+    for name, path, revision in (("model_name_or_path", model_args.model_name_or_path, model_args.model_revision),
+                                 ("ref_model_name_or_path", script_args.ref_model_name_or_path, None)):
+        if not path:
+            continue
+        try:
+            AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=training_args.trust_remote_code)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{name} {path!r} could not be loaded: {first_line(error)}") from None
+
+
 def train_main(argv: list[str]) -> int:
     try:
         if not {"-h", "--help"} & set(argv):
@@ -346,6 +368,11 @@ def train_main(argv: list[str]) -> int:
                                          else resume))
         print("Recipe OK (dry run, no weights loaded):\n  " + "\n  ".join(summary))
         return 0
+    try:
+        check_models_reachable(script_args, training_args, model_args)
+    except ValueError as error:
+        print(f"armor-trl train: error: {error}", file=sys.stderr)
+        return 2
     trainer = build_trainer(script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
@@ -410,6 +437,35 @@ def _load_adapter(path: str):
     return tokenizer, model
 
 
+def eval_fields() -> list[str]:
+    from dataclasses import fields
+
+    return [f.name for f in fields(EvalArguments) if f.init]
+
+
+def flag_hints(strings: list[str], known) -> str:
+    """`` (--x: did you mean --y?; ...)`` for the unknown ``--flags`` among ``strings`` that are close to a known
+    name, else ""."""
+    hints = []
+    for flag in (s[2:].split("=", 1)[0] for s in strings if s.startswith("--")):
+        close = close_names(flag, known)
+        if close:
+            hints.append(f"--{flag}: did you mean {' or '.join('--' + c for c in close)}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose "unrecognized arguments" error names the close flags (a typo)."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, rest = self.parse_known_args(args, namespace)
+        if rest:
+            known = [option[2:] for action in self._actions for option in action.option_strings
+                     if option.startswith("--") and action.help is not argparse.SUPPRESS]
+            self.error(f"unrecognized arguments: {' '.join(rest)}{flag_hints(rest, known)}")
+        return parsed
+
+
 def check_eval_config(path: str) -> None:
     """An ``armor-trl eval --config`` file, before TRL's parser reads it: YAML errors and repeated keys with
     file:line:column, and each value against its EvalArguments field."""
@@ -421,6 +477,10 @@ def check_eval_config(path: str) -> None:
     if not isinstance(values, dict):
         raise ValueError(f"{path} must be a YAML mapping of field: value, got {kind_of(values)}.")
     hints = typing.get_type_hints(EvalArguments)
+    unknown = [str(key) for key in values if key not in eval_fields()]
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown_names(unknown, eval_fields())}; the fields are armor-trl "
+                         "eval's flags (armor-trl eval --help).")
     for key, value in values.items():
         if key in hints and not value_matches(value, hints[key]):
             raise ValueError(f"{path}: {key} must be {describe_type(hints[key])}, got {kind_of(value)} ({value!r}).")
@@ -438,9 +498,12 @@ def eval_main(argv: list[str]) -> int:
         if config is not None:
             check_eval_config(config)
         try:
-            (args,) = TrlParser((EvalArguments,), prog="armor-trl eval").parse_args_and_config(argv)
+            args, rest = TrlParser((EvalArguments,), prog="armor-trl eval").parse_args_and_config(
+                argv, return_remaining_strings=True)
         except SystemExit as stop:  # argparse has printed the usage and the error (a missing required flag, --help)
             return stop.code if isinstance(stop.code, int) else 2
+        if rest:
+            raise ValueError(f"unrecognized arguments: {' '.join(rest)}{flag_hints(rest, eval_fields())}")
         if not args.model or not args.dataset:
             raise ValueError("--model and --dataset are required.")
         result_file = os.path.join(args.output_dir, EVAL_RESULTS_FILE) if args.output_dir else None
@@ -485,7 +548,7 @@ def eval_main(argv: list[str]) -> int:
 def demo_main(argv: list[str]) -> int:
     from .experiments import demo
 
-    parser = argparse.ArgumentParser(prog="armor-trl demo", description=demo.__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="armor-trl demo", description=demo.__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=demo.SEEDS, help=f"Seeds per method (default {demo.SEEDS}).")
     parser.add_argument("--workers", type=int, default=None, help="Parallel runs (default: one per CPU core).")
     parser.add_argument("--smoke", action="store_true", help="A tiny version that runs in seconds (for tests).")
@@ -529,7 +592,7 @@ def demo_main(argv: list[str]) -> int:
 def study_main(argv: list[str]) -> int:
     from .experiments import study
 
-    parser = argparse.ArgumentParser(prog="armor-trl study", description=study.__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="armor-trl study", description=study.__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="Recipe (default: configs/tiny_demo.yaml).")
     parser.add_argument("--arms", default=None, help="Comma-separated arm names (default: the arms file's 'default').")
     parser.add_argument("--seeds", type=int, default=None, help="Seeds per arm (default: study.seeds, else 3).")
@@ -671,8 +734,8 @@ USAGE = """usage: armor-trl {train,eval,demo,study,anchors} ...
           e.g. armor-trl eval --model PATH --dataset gsm8k --split test --k 8
   anchors pre-generate verified anchors from the reference (then train with --anchor_source column
           --anchors_dataset DIR), e.g. armor-trl anchors --config recipe.yaml --output_dir anchors/ --num_candidates 8
-  demo    the offline CPU demo: GRPO collapsing on a tiny model vs GRPO+KL, GRPO at lower lr and ARMOR, 3 seeds
-          (the collapse testbed as a study, ~8 min on 2 cores; [--seeds N] [--smoke])
+  demo    the offline CPU demo on the mode testbed (configs/mode_testbed.yaml): GRPO, GRPO+KL, GRPO at a lower lr
+          and ARMOR on a tiny model, 3 seeds each, as a study (9-12.5 min on 2 cores; [--seeds N] [--smoke] [--real])
   study   arms x seeds of one recipe (configs/study/arms.yaml), resumable, paired bootstrap CIs and plots
           e.g. armor-trl study --arms grpo,grpo_small_lr,armor --seeds 5 [--workers 2] [--output_dir results/study/x]
 

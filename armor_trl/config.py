@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import os
+from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
 from .advantages import QUANTILE_INTERPOLATIONS
+from .checks import unknown_names
 from .mixture import default_alpha
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -34,6 +37,14 @@ def default_precision(use_cpu: bool = False) -> str:
     from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
     return "bf16" if is_torch_bf16_gpu_available() or is_torch_xla_available() else "fp32"
+
+
+def check_output_dir(output_dir: str | None) -> None:
+    """A ValueError when ``output_dir`` is an existing file (transformers would fail later with a bare
+    FileExistsError)."""
+    if output_dir is not None and os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"output_dir {output_dir!r} is an existing file, not a folder: checkpoints and the model are "
+                         "written into a folder there. Choose another output_dir (or move the file).")
 
 
 @dataclass
@@ -410,6 +421,7 @@ class ArmorConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        check_output_dir(self.output_dir)
         self._check_precision()
         super().__post_init__()
         self._check_armor_fields()
@@ -672,3 +684,21 @@ class ArmorConfig(GRPOConfig):
                 f"a multiple of num_generations ({self.num_generations}) with ARMOR, so that every group, and its "
                 "anchor, lives on one process."
             )
+
+
+def _refusing_unknown_fields(init):
+    """The dataclass ``__init__``, refusing a keyword that is no field with the close names (a typo)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        known = [f.name for f in fields(type(self)) if f.init]
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field {unknown_names(unknown, known)}; every field: "
+                            "docs/configuration.md.")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+ArmorConfig.__init__ = _refusing_unknown_fields(ArmorConfig.__init__)

@@ -17,8 +17,20 @@ from dataclasses import dataclass, field, fields
 import yaml
 from trl import ScriptArguments
 
+from .checks import close_names, unknown_names
+
 METHODS = ("armor", "grpo")
 RESERVED_RECIPE_KEYS = ("demo", "study")  # recipe sections read by the experiments (armor_trl.experiments)
+# `trl grpo` fields that armor-trl train does not take, and why (a flag or recipe key naming one is refused so)
+REFUSED_TRL_FIELDS = {
+    "reward_model_name_or_path": (
+        "a `trl grpo` field that armor-trl train does not take: rewards are named in reward_funcs (built-in "
+        "verifiers such as math_verify, or module:function of your own), and ARMOR's anchors need a reward that says "
+        "'correct' (reaches anchor_reward_threshold), which a reward model's scores do not. To add a reward model's "
+        "score, wrap it in a function (my_rewards.py), list my_rewards:score in reward_funcs after the verifier, and "
+        "name the verifier in anchor_reward_funcs."
+    ),
+}
 
 
 @dataclass
@@ -311,7 +323,8 @@ def check_mixture_entries(entries, where: str = "") -> None:
                              f"fraction), got {kind_of(entry)} ({entry!r}).")
         unknown = [key for key in entry if key not in allowed]
         if unknown:
-            raise ValueError(f"{label}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(allowed)}.")
+            raise ValueError(f"{label}: unknown key(s) {unknown_names(map(str, unknown), allowed)}; allowed: "
+                             f"{', '.join(allowed)}.")
         if not isinstance(entry.get("path"), str) or not entry["path"]:
             raise ValueError(f"{label}: path is required (a hub id, a folder, or a builder such as json/parquet/csv "
                              "with data_files).")
@@ -345,8 +358,11 @@ def _size(n: float) -> str:
 
 
 def check_values(training_args, method: str) -> None:
-    """Numeric ranges no dataclass check covers: the learning rate (finite, > 0) and the sizes of one generation
-    round against a lower bound of their memory (the token ids alone, before any model memory)."""
+    """What no dataclass check covers: an output_dir that is a file, the learning rate (finite, > 0) and the sizes of
+    one generation round against a lower bound of their memory (the token ids alone, before any model memory)."""
+    from .config import check_output_dir
+
+    check_output_dir(training_args.output_dir)  # ArmorConfig checks it too; GRPOConfig (method grpo) does not
     lr = training_args.learning_rate
     if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"learning_rate must be a finite number > 0, got {lr!r}.")
@@ -517,6 +533,9 @@ def _parse_train_args(argv: list[str], config: str | None):
     method = _cli_value(argv, "method") or recipe.get("method") or "armor"
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}.")
+    for name, why in REFUSED_TRL_FIELDS.items():
+        if name in _flags(argv) or name in recipe:
+            raise ValueError(f"{name}: {why}")
     check_recipe_values(recipe, method, config)
     armor_only = armor_only_fields()
     if method == "grpo":
@@ -547,8 +566,11 @@ def _parse_train_args(argv: list[str], config: str | None):
             notes.append(f"both datasets and dataset_name given: the datasets mixture is used, dataset_name "
                          f"{script_args.dataset_name!r} is ignored (as in `trl grpo`)")
         script_args.dataset_mixture = mixture
+    known = [f.name for dataclass_type in parser.dataclass_types for f in fields(dataclass_type) if f.init]
     if cli_rest:
-        raise ValueError(f"Unknown arguments: {' '.join(cli_rest)}")
+        hints = [f"--{flag}: did you mean {' or '.join('--' + c for c in close_names(flag, known))}?"
+                 for flag in _flags(cli_rest) if close_names(flag, known)]
+        raise ValueError(f"Unknown arguments: {' '.join(cli_rest)}" + (f" ({'; '.join(hints)})" if hints else ""))
     ignored, unknown = [], []
     for key in _flags(recipe_rest):
         if key in RESERVED_RECIPE_KEYS:
@@ -558,7 +580,8 @@ def _parse_train_args(argv: list[str], config: str | None):
         else:
             unknown.append(key)
     if unknown:
-        raise ValueError(f"Unknown key(s) in the recipe: {', '.join(unknown)} (not a field of TrainScriptArguments, "
+        raise ValueError(f"Unknown key(s) in the recipe: {unknown_names(unknown, known)} (not a field of "
+                         f"TrainScriptArguments, "
                          f"{'ArmorConfig' if method == 'armor' else 'GRPOConfig'} or ModelConfig).")
     if ignored:
         notes.insert(0, f"method 'grpo' ignores the ArmorConfig-only recipe key(s): {', '.join(ignored)}")

@@ -315,7 +315,12 @@ def _serve() -> None:
 
 
 # --- the worker pool -------------------------------------------------------------------------------------------
-_WORKER_CODE = "from armor_trl.rewards import _serve; _serve()"
+# A worker ignores SIGINT from its first line: Ctrl-C in a terminal, or a notebook kernel interrupted or shut down,
+# signals the whole process group, and the workers printed a KeyboardInterrupt traceback each. The process that owns
+# the pool handles the interrupt and ends its workers (VerifierPool.close, at exit; a worker also ends when its stdin
+# closes).
+_WORKER_CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "from armor_trl.rewards import _serve; _serve()")
 
 
 class _Worker:
@@ -407,48 +412,55 @@ class VerifierPool:
         if not items:
             return results
         with self.lock:
-            self.items = [[i, *item] for i, item in enumerate(items)]
-            shares = [self.items[w :: self.size] for w in range(min(self.size, len(items)))]
-            for index, share in enumerate(shares):
-                self._give(index, share)
-            active = list(range(len(shares)))
-            # the budget of each worker's share: from now, or from when a worker that is still starting is ready
-            budget = {i: time.monotonic() + self.batch_timeout for i in active if self.workers[i].ready}
-            cut_short = 0
-            with selectors.DefaultSelector() as selector:
-                while active:
-                    for index in active:
-                        selector.register(self.workers[index].process.stdout, selectors.EVENT_READ, index)
-                    soonest = min(min(self.workers[i].deadline, budget.get(i, math.inf)) for i in active)
-                    readable = {key.data for key, _ in selector.select(max(0.0, soonest - time.monotonic()))}
-                    for index in list(active):
-                        worker = self.workers[index]
-                        selector.unregister(worker.process.stdout)
-                        messages = worker.read() if index in readable else []
-                        if messages is None or (index not in readable and time.monotonic() > worker.deadline):
-                            self._replace(index, results, died=messages is None)
-                            messages = []
-                        for message in messages:
-                            if message == "ready":
-                                self.workers[index].ready = True
-                                budget.setdefault(index, time.monotonic() + self.batch_timeout)
-                                queued, self.workers[index].queued = self.workers[index].queued, []
-                                try:
-                                    self.workers[index].send(queued)
-                                except BrokenPipeError:  # it died: its output ends and _replace takes over
-                                    pass
-                            else:
-                                results[message[0]] = message[1]
-                                self.workers[index].pending.popleft()  # a worker judges its items in order
-                            self.workers[index].deadline = time.monotonic() + self.timeout
-                        if self.workers[index].pending and time.monotonic() > budget.get(index, math.inf):
-                            cut_short += self._cut_short(index)
-                        if not self.workers[index].pending:
-                            active.remove(index)
-            if cut_short:
-                logger.warning(f"math_verify: {cut_short} of {len(items)} completions were still waiting when the call "
-                               f"had used its budget of {self.batch_timeout:g} s (ARMOR_VERIFIER_BATCH_TIMEOUT); they "
-                               "count as 'cannot judge' (None) and the busy workers were replaced.")
+            try:
+                return self._run(items, results)
+            except BaseException:  # e.g. KeyboardInterrupt: the workers hold the call's items; the next call starts anew
+                self.close()
+                raise
+
+    def _run(self, items: list, results: list) -> list[float | None]:
+        self.items = [[i, *item] for i, item in enumerate(items)]
+        shares = [self.items[w :: self.size] for w in range(min(self.size, len(items)))]
+        for index, share in enumerate(shares):
+            self._give(index, share)
+        active = list(range(len(shares)))
+        # the budget of each worker's share: from now, or from when a worker that is still starting is ready
+        budget = {i: time.monotonic() + self.batch_timeout for i in active if self.workers[i].ready}
+        cut_short = 0
+        with selectors.DefaultSelector() as selector:
+            while active:
+                for index in active:
+                    selector.register(self.workers[index].process.stdout, selectors.EVENT_READ, index)
+                soonest = min(min(self.workers[i].deadline, budget.get(i, math.inf)) for i in active)
+                readable = {key.data for key, _ in selector.select(max(0.0, soonest - time.monotonic()))}
+                for index in list(active):
+                    worker = self.workers[index]
+                    selector.unregister(worker.process.stdout)
+                    messages = worker.read() if index in readable else []
+                    if messages is None or (index not in readable and time.monotonic() > worker.deadline):
+                        self._replace(index, results, died=messages is None)
+                        messages = []
+                    for message in messages:
+                        if message == "ready":
+                            self.workers[index].ready = True
+                            budget.setdefault(index, time.monotonic() + self.batch_timeout)
+                            queued, self.workers[index].queued = self.workers[index].queued, []
+                            try:
+                                self.workers[index].send(queued)
+                            except BrokenPipeError:  # it died: its output ends and _replace takes over
+                                pass
+                        else:
+                            results[message[0]] = message[1]
+                            self.workers[index].pending.popleft()  # a worker judges its items in order
+                        self.workers[index].deadline = time.monotonic() + self.timeout
+                    if self.workers[index].pending and time.monotonic() > budget.get(index, math.inf):
+                        cut_short += self._cut_short(index)
+                    if not self.workers[index].pending:
+                        active.remove(index)
+        if cut_short:
+            logger.warning(f"math_verify: {cut_short} of {len(items)} completions were still waiting when the call "
+                           f"had used its budget of {self.batch_timeout:g} s (ARMOR_VERIFIER_BATCH_TIMEOUT); they "
+                           "count as 'cannot judge' (None) and the busy workers were replaced.")
         return results
 
     def _cut_short(self, index: int) -> int:

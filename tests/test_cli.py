@@ -478,7 +478,7 @@ def test_a_trl_grpo_recipe_with_a_datasets_mixture_trains(recipe, cwd, capsys):
     config["datasets"][1]["colums"] = ["prompt"]  # a misspelt DatasetConfig key: named, with what is allowed
     path.write_text(yaml.safe_dump(config))
     assert main(["train", "--config", str(path), "--dry_run"]) == 2
-    assert "datasets[1]: unknown key(s) colums; allowed: path, name" in capsys.readouterr().err
+    assert "datasets[1]: unknown key(s) colums (did you mean columns?); allowed: path, name" in capsys.readouterr().err
 
 
 def test_eval_loads_a_lora_adapter_folder(tiny_model_path, tmp_path, capsys):

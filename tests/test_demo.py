@@ -20,7 +20,11 @@ def _records(path):
 
 def test_smoke_demo_runs_the_testbed_arms_over_seeds_and_resumes(tmp_path, capsys, monkeypatch):
     assert main(["demo", "--smoke", "--seeds", "2", "--workers", "1", "--output_dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    # progress while it runs (the full demo's warm-up takes minutes): the warm-up's steps, then the runs
+    assert "warm-up (seed 0)" in captured.err and "calibration avg@4" in captured.err
+    assert "study runs" in captured.err and "8/8" in captured.err
     folder = tmp_path / "mode_testbed-smoke"
     expected = sorted(f"{arm}-seed{seed}.jsonl" for arm in demo.ARMS for seed in (0, 1))
     assert sorted(p.name for p in (folder / "metrics").iterdir()) == expected
@@ -111,3 +115,16 @@ def test_corrupt_experiment_files_are_named(tmp_path):
     (tmp_path / "study.json").write_text('{"recipe": ')
     with pytest.raises(ValueError, match=f"{tmp_path / 'study.json'}: not valid JSON"):
         study.check_study_folder(tmp_path, {"recipe": {}, "smoke_overrides": None, "model": None, "arms": {}})
+
+
+def test_demo_real_prints_a_line_per_step(capsys):
+    from types import SimpleNamespace
+
+    callback = demo.step_lines("demo --real: ARMOR")
+    state = SimpleNamespace(max_steps=4, global_step=0)
+    callback.on_train_begin(None, state, None)
+    state.global_step = 1
+    callback.on_step_end(None, state, None)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "demo --real: ARMOR: training 4 step(s)"
+    assert lines[1].startswith("demo --real: ARMOR: step 1/4 done, ") and lines[1].endswith(" s elapsed")

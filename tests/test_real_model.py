@@ -124,6 +124,8 @@ def test_demo_real_is_a_labelled_smoke_run_of_both_methods(model_path, tmp_path,
     out = capsys.readouterr().out
     assert "SMOKE RUN of the real-model path, not evidence" in out and "not the original bf16 weights" in out
     assert "| GRPO (β=0) | 1 |" in out and "| ARMOR | 1 |" in out
+    for label in ("GRPO (β=0)", "ARMOR"):  # progress while it runs: a line per step
+        assert f"demo --real: {label}: step 1/1 done, " in out
     folder = tmp_path / demo.REAL_FOLDER
     assert (folder / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((folder / "real_demo.json").read_text())

@@ -300,6 +300,16 @@ def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, tin
     assert f"armor-trl train: error: {path}:8:" in line and "invalid YAML" in line and "expected ','" in line
     path.write_text(TINY + "learning_rate: 1e-6\n\tseed: 3\n")  # a tab
     assert f"{path}:7:1: invalid YAML" in train_error(path, tiny_model_path, capsys)
+    base = tmp_path / "base.yaml"  # in the recipe's base, named by its own file (docs/bad_input.md row 64)
+    base.write_text("seed: [3\n")
+    path.write_text("base: base.yaml\n" + TINY)
+    assert f"{base}:2:1: invalid YAML" in train_error(path, tiny_model_path, capsys)
+    from armor_trl.experiments import study
+
+    arms = tmp_path / "arms.yaml"  # and in an arms file
+    arms.write_text("arms:\n  grpo: {beta: 0.1\n")
+    with pytest.raises(ValueError, match=f"{arms}:3:1: invalid YAML"):
+        study.load_arms({}, arms)
 
 
 def test_a_repeated_key_is_refused_naming_both_lines(tmp_path, tiny_model_path, capsys):

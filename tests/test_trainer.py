@@ -283,8 +283,10 @@ def test_a_grpo_config_is_converted_with_the_fields_it_sets_and_armors_defaults(
 ):
     config = GRPOConfig(output_dir=str(tmp_path), **cpu_args(learning_rate=3e-3, gradient_accumulation_steps=2))
     assert config.epsilon_high is None  # TRL's default; ARMOR's is 0.28
-    trainer = ArmorGRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=config,
-                               train_dataset=prompt_dataset, processing_class=tiny_tokenizer)
+    with caplog.at_level("WARNING"):
+        trainer = ArmorGRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=config,
+                                   train_dataset=prompt_dataset, processing_class=tiny_tokenizer)
+    assert "args is a GRPOConfig: converted to an ArmorConfig" in caplog.text  # docs/bad_input.md row 12
     args = trainer.args
     assert isinstance(args, ArmorConfig) and trainer.reference is not None
     assert (args.learning_rate, args.gradient_accumulation_steps, args.num_generations) == (3e-3, 2, 4)  # as set

@@ -168,6 +168,8 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
             result = evaluate(model, tokenizer, calibration, verifier, k=4, max_new_tokens=max_new_tokens,
                               batch_size=1024, seed=warm["seed"], classify=classify if mix else None)
             accuracy = result["avg@4"]
+            if progress is not None:
+                progress.set_postfix_str(f"calibration avg@4 {accuracy:.3f} (target {warm['target_accuracy']})")
     if progress is not None:  # stopped at the target accuracy
         progress.total = step
         progress.refresh()

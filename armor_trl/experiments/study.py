@@ -387,10 +387,15 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
             warm = parse_seeds(warm, "--warmup_seeds (study.warmup_seeds)") if warm is not None else [
                 settings["warmup"]["seed"]]
             models, warmups = {}, {}
+            from tqdm.auto import tqdm
+
             for w in warm:  # the seed is part of warm_start's cache key: one checkpoint per warm-up seed
-                models[w], warmups[w] = warm_start({**recipe, **smoke_overrides},
-                                                   {**settings, "warmup": {**settings["warmup"], "seed": w}},
-                                                   out.parent / "cache")
+                # minutes on a CPU the first time (supervised steps until the calibration accuracy is reached)
+                with tqdm(total=settings["warmup"]["steps"], desc=f"warm-up (seed {w})", unit="step",
+                          dynamic_ncols=True) as bar:
+                    models[w], warmups[w] = warm_start({**recipe, **smoke_overrides},
+                                                       {**settings, "warmup": {**settings["warmup"], "seed": w}},
+                                                       out.parent / "cache", progress=bar)
         else:
             raise ValueError(f"{config_path} has no model_name_or_path and no demo: section to warm-start one from.")
         recipe_file = out / "recipe.yaml"  # the merged recipe (base: resolved) every run parses

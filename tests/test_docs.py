@@ -1,0 +1,244 @@
+"""Docs that stay true: every test a page cites exists, every row of docs/bad_input.md names tests that exist and
+exercise what the row is about, the demo has one name, the accelerate configs say how to run them, and the versions
+the README states are the ones installed."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import re
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+NOT_TESTED = "not tested"
+
+
+def test_sources() -> dict[str, tuple[str, dict[str, str]]]:
+    """{module file: (its source, {test function: its source with decorators})} of tests/test_*.py."""
+    found = {}
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        functions = {}
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                functions[node.name] = "\n".join(lines[start - 1:node.end_lineno])
+        found[path.name] = (text, functions)
+    return found
+
+
+test_sources.__test__ = False  # a helper, not a test
+TESTS = test_sources()
+
+
+def cited_tests(text: str) -> list[tuple[str, str | None, str | None]]:
+    """(module, function or glob or None, parametrize id or None) for each backticked test reference in ``text``:
+    `test_x.py`, `test_x.py::name[id]`, and `::name[id]` in the module named before."""
+    cited, module = [], None
+    for token in re.findall(r"`([^`]+)`", text):
+        match = re.fullmatch(r"(test_\w+\.py)(?:::([\w*]+))?(?:\[([\w-]+)\])?", token)
+        if match:
+            module = match.group(1)
+            cited.append((module, match.group(2), match.group(3)))
+            continue
+        match = re.fullmatch(r"::([\w*]+)(?:\[([\w-]+)\])?", token)
+        if match:
+            cited.append((module, match.group(1), match.group(2)))
+    return cited
+
+
+def resolve(module: str | None, function: str | None, param: str | None, where: str) -> list[str]:
+    """The sources the reference names (the module's, or each matching function's); fails naming ``where``."""
+    assert module in TESTS, f"{where}: cites {module}, which is not a test module"
+    text, functions = TESTS[module]
+    if function is None:
+        return [text]
+    names = fnmatch.filter(functions, function) if "*" in function else [function] * (function in functions)
+    assert names, f"{where}: cites {module}::{function}, which does not exist"
+    if param is not None:
+        assert any(f'"{param}"' in functions[n] or f"'{param}'" in functions[n] or f'"{param}"' in text
+                   for n in names), f"{where}: cites {module}::{function}[{param}]: no such parametrize id"
+    return [functions[n] for n in names]
+
+
+def test_every_test_cited_in_the_docs_exists():
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for module, function, param in cited_tests(line):
+                if module is None:  # `::name` with no module before it on the line
+                    pytest.fail(f"{page.name}:{number}: ::{function} without a test module before it")
+                resolve(module, function, param, f"{page.name}:{number}")
+
+
+def bad_input_rows() -> list[tuple[str, str, str]]:
+    """(number, bad input, test cell) of each row of docs/bad_input.md."""
+    rows = []
+    for line in (REPO / "docs" / "bad_input.md").read_text().splitlines():
+        if re.match(r"\| \d+ \|", line):
+            cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+            rows.append((cells[0], cells[1], cells[-1]))
+    return rows
+
+
+def subject_words(bad_input: str) -> set[str]:
+    """The names a row is about: identifiers inside its backticked terms (fields, flags, functions)."""
+    words = set()
+    for term in re.findall(r"`([^`]+)`", bad_input):
+        words |= {w for w in re.findall(r"[A-Za-z_]\w{3,}", term) if w not in {"True", "False", "None"}}
+    return words
+
+
+def test_every_bad_input_row_is_checked_by_the_tests_it_names():
+    """Each row names tests that exist (or says it is not tested), and the tests it names exercise the row's subject:
+    at least one of the names the row is about appears in the cited tests' code."""
+    rows = bad_input_rows()
+    assert [int(number) for number, _, _ in rows] == list(range(1, len(rows) + 1)), "rows are numbered 1, 2, ..."
+    previous: list[str] = []
+    for number, bad_input, cell in rows:
+        where = f"docs/bad_input.md row {number}"
+        if cell.startswith(NOT_TESTED):
+            continue
+        sources = list(previous) if cell.startswith("same") else []  # "same": the row above's tests
+        for module, function, param in cited_tests(cell):
+            sources += resolve(module, function, param, where)
+        assert sources, f"{where}: names no test (write `{NOT_TESTED}` and why, if none)"
+        words = subject_words(bad_input)
+        if words:
+            assert any(w in source for w in words for source in sources), \
+                f"{where}: none of {sorted(words)} appears in the tests it names"
+        previous = sources
+
+
+def test_the_demo_has_one_name():
+    """`armor-trl --help`, `armor-trl demo --help`, the README and the recipes' headers call the demo what it runs:
+    the mode testbed (configs/mode_testbed.yaml)."""
+    from armor_trl.cli import USAGE
+    from armor_trl.experiments import demo
+
+    assert demo.DEFAULT_CONFIG.name == "mode_testbed.yaml"
+    usage = next(block for block in USAGE.split("\n  ") if block.startswith("demo"))
+    assert "mode testbed" in usage and "collapse testbed" not in usage
+    assert "mode testbed" in demo.__doc__.splitlines()[0]  # the description of `armor-trl demo --help`
+    readme = (REPO / "README.md").read_text()
+    make_demo = next(line for line in readme.splitlines() if line.startswith("make demo"))
+    assert "the mode testbed" in make_demo
+    header = (REPO / "configs" / "tiny_demo.yaml").read_text().split("\nmethod:")[0]
+    assert "`armor-trl demo` runs its variant configs/mode_testbed.yaml" in header
+    assert "`armor-trl demo` uses its variant configs/collapse_testbed.yaml" not in header
+
+
+ACCELERATE_CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_accelerate_configs_say_how_to_run_them(path):
+    text = path.read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert "train.py" not in text
+    command = re.search(r"accelerate launch --config_file (\S+) --num_processes <GPUs> \\\n#\s+-m armor_trl train "
+                        r"--config <recipe.yaml>", header)
+    assert command and command.group(1) == f"configs/accelerate/{path.name}", header
+    values = yaml.safe_load(text)
+    for key in ("num_processes", "mixed_precision"):  # placeholders, said so where they stand
+        line = next(line for line in text.splitlines() if line.startswith(f"{key}:"))
+        assert "# SET:" in line and key in values, line
+    assert "placeholders" in header and "--num_processes / --mixed_precision" in header
+
+
+@pytest.mark.slow
+def test_the_ddp_config_runs_as_its_header_says(tmp_path, tiny_model_path):
+    """The command of configs/accelerate/ddp.yaml's header, its placeholders set on the command line for this CPU
+    (--cpu, which runs one process, and no mixed precision), on a dry run of a tiny recipe: accelerate takes the
+    config as written and runs `-m armor_trl train`."""
+    import os
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": tiny_model_path, "dataset_name": "arithmetic",
+                                      "output_dir": str(tmp_path / "out"), "use_cpu": True, "bf16": False,
+                                      "per_device_train_batch_size": 4, "num_generations": 4, "dry_run": True}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           "configs/accelerate/ddp.yaml", "--cpu", "--num_processes", "1", "--mixed_precision", "no",
+                           "-m", "armor_trl", "train", "--config", str(recipe)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Recipe OK (dry run, no weights loaded)" in done.stdout
+
+
+def test_the_versions_the_readme_states_are_installed():
+    """README's "tested with ..." versions are those installed where the tests run, and its version ranges are
+    pyproject's."""
+    from packaging.version import Version
+
+    readme = (REPO / "README.md").read_text()
+    tested = re.search(r"tested\s+with\s+(.+?)\s+\(CPU\)", readme, flags=re.S)
+    assert tested, "README states no 'tested with ... (CPU)' line"
+    pairs = re.findall(r"([a-z][\w-]*) (\d+(?:\.\d+)+)", tested.group(1))
+    assert {name for name, _ in pairs} >= {"transformers", "peft", "accelerate", "datasets", "torch"}
+    for name, stated in pairs:
+        assert Version(version(name)).public == stated, f"README says {name} {stated}; installed: {version(name)}"
+    pyproject = (REPO / "pyproject.toml").read_text()
+    trl = re.search(r"`(trl>=[^`]+)`", readme).group(1)
+    assert f'"{trl}"' in pyproject
+    low, high = re.search(r"\((\S+) ≤ deepspeed < (\S+),", readme).groups()
+    assert f'"deepspeed>={low},<{high}"' in pyproject
+
+
+def test_user_docs_speak_of_machines_a_user_has():
+    """No page or recipe speaks of the machines this project was developed on ("the GPU image", "lent GPU machines")
+    as if the reader had them."""
+    files = [*PAGES, *sorted((REPO / "configs").rglob("*.yaml")), REPO / "Makefile"]
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not re.search(r"GPU image|\bthe image\b|\bimage's\b|\blent\b", line, flags=re.I), \
+                f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+
+
+def test_files_the_docs_name_exist():
+    """A path the docs name in backticks (`benchmarks/run.py`, `scripts/gpu_check.sh`, ...) is in the repository."""
+    for page in PAGES:
+        for token in re.findall(r"`([^`\s<>*]+)`", page.read_text()):
+            if token == "armor_trl/configs":  # configs/ as the wheel ships it (pyproject.toml's package-dir)
+                continue
+            if re.fullmatch(r"(armor_trl|benchmarks|scripts|configs|tests|notebooks|docs)/[\w./-]*\w", token):
+                assert (REPO / token).exists(), f"{page.name} names {token}, which does not exist"
+
+
+def test_no_page_has_an_empty_section():
+    """No heading is followed by nothing before the next heading of its level (or a higher one), and no paragraph
+    ending in ':' by nothing before the next heading."""
+    for page in PAGES:
+        lines = re.sub(r"```.*?```", "code", page.read_text(), flags=re.S).splitlines() + ["# end"]
+        for number, line in enumerate(lines[:-1]):
+            heading = re.match(r"(#+) ", line)
+            rest = next(later for later in lines[number + 1:] if later.strip())
+            level = re.match(r"(#+) ", rest)
+            if heading and level and len(level.group(1)) <= len(heading.group(1)):
+                pytest.fail(f"{page.name}: nothing under {line!r}")
+            if not heading and line.rstrip().endswith(":") and level:
+                pytest.fail(f"{page.name}: nothing follows {line.strip()!r}")
+
+
+def test_the_readmes_costs_are_the_current_tables():
+    """The per-step costs the README quotes (ratio and paired range) are rows of docs/performance.md's current table,
+    the one regime table, measured at the commit the page names."""
+    page = (REPO / "docs" / "performance.md").read_text()
+    current = re.search(r"^## The current table.*?\((\w+), issue 20\)\n(.*?)^## ", page, flags=re.S | re.M)
+    assert current, "docs/performance.md has no '## The current table ...' section"
+    assert len(re.findall(r"^## The current table", page, flags=re.M)) == 1
+    assert f"**The current numbers are one `make bench` run at commit {current.group(1)}**" in page
+    readme = (REPO / "README.md").read_text()
+    costs = readme[readme.index("## What it costs per step"):readme.index("## Does it help?")]
+    quoted = re.findall(r"(\d\.\d\d)× \((\d\.\d\d)–(\d\.\d\d)\)", costs)
+    assert quoted, "the README quotes no cost with its range"
+    for ratio, low, high in quoted:
+        assert f"{ratio} ({low}–{high})" in current.group(2), f"README's {ratio}× ({low}–{high}) is not in the table"
