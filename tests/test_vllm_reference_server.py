@@ -1,6 +1,7 @@
 """Anchors from a second vLLM server holding π_ref (vllm_reference_server_base_url / _port), with fake servers.
 
-TRL's VLLMGeneration is replaced by ``FakeServer`` (vLLM cannot be installed on CPU machines), so the trainer is built
+TRL's VLLMGeneration is replaced by ``FakeServer`` (server mode needs a CUDA trainer and vLLM's NCCL weight transfer, so
+no real server can run on the CPU machines), so the trainer is built
 exactly as with ``use_vllm=True, vllm_mode="server"``: TRL constructs the policy's engine, ARMOR the reference's.
 """
 
