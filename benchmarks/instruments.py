@@ -15,6 +15,10 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
 * ``reward``       ``_calculate_rewards`` (instance) for the training rows
 * ``gen_other``    rest of ``_generate_and_score_completions`` (tokenize, decode, advantages, metrics)
 * ``loss_bwd``     ``training_step`` minus ``_prepare_inputs``: forward with grad, loss, backward
+* ``push_ref``     with vLLM: pushing π_ref's weights into the engine for the anchor candidates
+                   (``trl_seam.push_to_engine``, inside ARMOR's ``_generate_single_turn``)
+* ``push_policy``  with vLLM: TRL's pushes of the policy's weights (its ``sync_weights`` at a rollout after an
+                   optimizer step, and after an anchor call), taken out of ``policy_gen``
 * ``other``        rest of the optimizer step: optimizer, scheduler, callbacks (reference resets), logging
 """
 
@@ -25,7 +29,8 @@ import resource
 import time
 from collections import defaultdict
 
-PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "other")
+PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
+         "push_policy", "other")
 
 
 def rss_mb() -> float:
@@ -95,6 +100,9 @@ def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
     t._get_per_token_logps_and_entropies = timers.wrap(
         t._get_per_token_logps_and_entropies, None, key_fn=lambda: "logps_in_gen" if "gen" in timers.flags else None
     )
+    if t.use_vllm:  # every weight push into the engine; ARMOR's pushes of π_ref also under "ref_push"
+        engine = t.vllm_generation
+        engine.sync_weights = timers.wrap(engine.sync_weights, "weight_sync")
     if armor:
         _instrument_seam(timers)
     steps = []
@@ -123,6 +131,7 @@ def _instrument_seam(timers: Timers) -> None:
     trl_seam.generate = timers.wrap(trl_seam.generate, "anchor_generate", flag="anchor_gen")
     trl_seam.score_quietly = timers.wrap(trl_seam.score_quietly, "anchor_score")
     trl_seam.per_token_logps = timers.wrap(trl_seam.per_token_logps, "ref_fwd_armor")
+    trl_seam.push_to_engine = timers.wrap(trl_seam.push_to_engine, "ref_push")
     # the class attribute, which ARMOR's override reaches through super(); inside trl_seam.generate it is anchors
     GRPOTrainer._generate_single_turn = timers.wrap(
         GRPOTrainer._generate_single_turn, None,
@@ -136,14 +145,18 @@ def split(raw: dict) -> dict:
     single_turn = g("gen_single_turn", 0.0)
     policy = g("policy_generate", 0.0) if "policy_generate" in raw else single_turn
     ref = g("ref_fwd_armor", 0.0) + g("logps_in_gen", 0.0)
+    push_ref = g("ref_push", 0.0)
+    push_policy = g("weight_sync", 0.0) - push_ref
     parts = {
-        "policy_gen": policy,
+        "policy_gen": policy - push_policy,
         "anchor_gen": g("anchor_generate", 0.0),
-        "anchor_score": single_turn - policy - g("anchor_generate", 0.0),
+        "anchor_score": single_turn - policy - g("anchor_generate", 0.0) - push_ref,
         "ref_fwd": ref,
         "reward": g("rewards", 0.0),
         "gen_other": g("gs_total", 0.0) - single_turn - g("rewards", 0.0) - ref,
         "loss_bwd": g("training_step", 0.0) - g("prepare_inputs", 0.0),
+        "push_ref": push_ref,
+        "push_policy": push_policy,
     }
     parts["other"] = raw["step_s"] - sum(parts.values())
     return parts

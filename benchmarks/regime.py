@@ -57,7 +57,7 @@ def summarize(runs: list, bench: BenchConfig) -> dict:
         measured = [run["steps"][run["warmup_steps"]:] for run in group]
         summary.setdefault(name, {})[str(m)] = {
             "cost_per_step_s": stats([run["cost_per_step_s"] for run in group]),
-            "split_s": {p: statistics.median(statistics.mean(s["split"][p] for s in steps) for steps in measured)
+            "split_s": {p: statistics.median(statistics.mean(s["split"].get(p, 0.0) for s in steps) for steps in measured)
                         for p in PARTS},
             "peak_rss_mb": stats([run["peak_rss_mb"] for run in group]),
             "measured_steps": len(measured[0]),

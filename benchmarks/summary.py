@@ -54,8 +54,8 @@ def _entry(variant, runs: list, warmup: int) -> dict:
         per_run_step.append(run["median_step_s"])
         per_run_cpu.append(run["median_cpu_s"])
         for part in PARTS:
-            per_run_split[part].append(statistics.median(s["split"][part] for s in measured))
-            per_run_split_cpu[part].append(statistics.median(s["split_cpu"][part] for s in measured))
+            per_run_split[part].append(statistics.median(s["split"].get(part, 0.0) for s in measured))
+            per_run_split_cpu[part].append(statistics.median(s["split_cpu"].get(part, 0.0) for s in measured))
         if variant.armor:  # steps in which every group's anchor came from the cache: no reference generate call
             no_candidate_steps += [s["step_s"] for s in measured if s["raw"].get("anchor_generate", 0.0) == 0.0]
     entry = {

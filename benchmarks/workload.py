@@ -3,6 +3,8 @@ variant. The functions taking a ``settings`` dict run in worker processes."""
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import random
 
@@ -162,6 +164,7 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
     from trl import GRPOConfig, GRPOTrainer
 
     from armor_trl import ArmorConfig, ArmorGRPOTrainer
+    from armor_trl import trl_seam as seam
 
     torch.manual_seed(task["seed"])
     common = dict(
@@ -192,10 +195,12 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
     cls = ArmorGRPOTrainer if variant.trainer == "armor_trl" else GRPOTrainer
     reward = reward_for(variant, task["threshold"])
     start = time.perf_counter()
-    trainer = cls(
-        model=task["model_path"], reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-        peft_config=peft_config,
-    )
+    # TRL's colocated engine as ArmorGRPOTrainer builds it (on a CPU: linear weights TRL's sync can reach), for both
+    with seam.colocated_engine_built(args) if cls is GRPOTrainer else contextlib.nullcontext():
+        trainer = cls(
+            model=task["model_path"], reward_funcs=reward, args=args, train_dataset=dataset,
+            processing_class=tokenizer, peft_config=peft_config,
+        )
     build_s = time.perf_counter() - start
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)

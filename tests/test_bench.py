@@ -27,7 +27,8 @@ REGIME_VARIANTS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_column", "armor_same_call", "grpo_b004_lora", "armor_lora",
     "armor_column_lora", "armor_same_call_lora",
 ]
-PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "other"]
+PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
+         "push_policy", "other"]
 
 
 def test_bench_config_is_data_and_checked(tmp_path):
@@ -67,6 +68,18 @@ def test_split_separates_policy_and_anchor_generation():
             "training_step": 0.25, "prepare_inputs": 0.0}
     parts = instruments.split(grpo)
     assert parts["policy_gen"] == 0.5 and parts["anchor_gen"] == 0.0 and parts["anchor_score"] == 0.0
+    assert parts["push_ref"] == parts["push_policy"] == 0.0  # no vLLM engine
+
+
+def test_split_times_the_engines_weight_pushes_on_their_own():
+    # vLLM: π_ref's push happens in ARMOR's override (around the candidates' call), TRL's push of π_θ in its generation
+    armor = {"step_s": 1.0, "gs_total": 0.7, "gen_single_turn": 0.5, "policy_generate": 0.2, "anchor_generate": 0.15,
+             "ref_push": 0.06, "weight_sync": 0.1, "rewards": 0.05, "ref_fwd_armor": 0.1, "training_step": 0.25,
+             "prepare_inputs": 0.0}
+    parts = instruments.split(armor)
+    assert parts["push_ref"] == 0.06 and parts["push_policy"] == pytest.approx(0.04)
+    assert parts["policy_gen"] == pytest.approx(0.16) and parts["anchor_score"] == pytest.approx(0.09)
+    assert sum(parts.values()) == pytest.approx(1.0)
 
 
 def test_bench_smoke_writes_json_and_table(tmp_path):
