@@ -18,7 +18,7 @@ from benchmarks.summary import stats
 
 # phases shown in the regime table (seconds per optimizer step); ref_fwd here also holds the old-policy log-probs
 # that TRL computes during the rollout when M > 1
-TABLE_PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "loss_bwd")
+TABLE_PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "loss_bwd", "push_ref", "push_policy")
 
 
 def plan(bench: BenchConfig, preset: dict, variants: list, mini_batches: list, shape: dict, g: int) -> dict | None:
