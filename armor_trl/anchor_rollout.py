@@ -75,15 +75,15 @@ class AnchorRollout:
 
     def same_call_applies(self) -> bool:
         """Whether this round's K candidates per group can be extra rows of the policy's generate call: π_ref holds
-        the weights that generate the round, i.e. no optimizer step since the reference last copied the policy
-        (decided by the reference's state, not by comparing weights), and the anchors are sampled, not read from
+        the weights that generate the round (the policy's weights have not changed since the reference copied them:
+        :meth:`~armor_trl.reference.ReferencePolicy.holds_policy_weights`), and the anchors are sampled, not read from
         the dataset's column."""
         trainer = self.trainer
         if not self.args.anchor_same_call:
             return False
         if self.column is not None and self.column.active(trainer.reference.resets):
             return False
-        return trainer.reference.equals_policy_at(trainer.state.global_step)
+        return trainer.reference.holds_policy_weights()
 
     def _same_call(self, generate_policy, group_prompt_ids: list, per_group: int):
         """One policy call with ``per_group`` on-policy rows and K candidate rows per group: the on-policy ids (and

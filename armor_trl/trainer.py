@@ -379,7 +379,18 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return fingerprint
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        return super().train(self._resolve_checkpoint(resume_from_checkpoint), *args, **kwargs)
+        """TRL's ``train``. Called again without resuming, training goes on from the current weights (as with any
+        transformers Trainer, whose step count restarts at 0) and ARMOR's α and reset schedules go on from where they
+        were, counted in optimizer steps of all calls; π_ref, its resets and the anchor cache stay as they are."""
+        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        if not checkpoint and self.state.global_step > 0:
+            if self.collapse_guard is not None:
+                raise ValueError("This trainer has trained already, and collapse_guard keeps its validation history by "
+                                 "optimizer step, which a second train() would count from 0 again. Resume with "
+                                 "train(resume_from_checkpoint=True), or build a new ArmorGRPOTrainer.")
+            if self.armor_started_at is not None:
+                self.armor_started_at -= self.state.global_step  # schedules count global_step - armor_started_at
+        return super().train(checkpoint, *args, **kwargs)
 
     def _resolve_checkpoint(self, checkpoint):
         """The newest complete checkpoint for ``True``; refuse one written with other ARMOR settings."""

@@ -169,3 +169,50 @@ def test_anchor_same_call_is_a_documented_config_field(tmp_path):
     field = ArmorConfig.__dataclass_fields__["anchor_same_call"]
     assert field.default is True and "armor/anchor_same_call" in field.metadata["help"]
     assert ArmorConfig(output_dir=str(tmp_path), anchor_same_call=False, **cpu_args()).anchor_same_call is False
+
+
+def record_reference_logps(trainer):
+    """Per generation round: whether it was a same-call round, the π_ref log-probs stored for the loss, and an
+    independent forward of π_ref (eval mode, its weights of now) over the same rows."""
+    rounds, original_round, forward = [], trainer._generate_and_score_completions, trainer._completion_logps
+
+    def recording(inputs):
+        output = original_round(inputs)
+        reference, policy = trainer.reference, trainer.unwrapped_policy()
+        model = reference.model if reference.kind == "full" else trainer.model
+        with torch.no_grad(), reference.active(policy):
+            independent = forward(model, output)
+        rounds.append({"same_call": trainer.anchor_rollout.same_call_round, "ref": output["armor_ref_logps"].clone(),
+                       "forward": independent, "mask": output["completion_mask"].bool().clone()})
+        return output
+
+    trainer._generate_and_score_completions = recording
+    return rounds
+
+
+def test_a_second_train_takes_anchors_from_the_reference_and_continues_the_schedules(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    # Two optimizer steps per call, one rollout each (M = 2: TRL computes the old policy's log-probs). The second
+    # call's step count restarts at 0, but the policy has moved two steps away from the static π_ref.
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2, learning_rate=1e-1,
+                           steps_per_generation=2, ref_reset_steps=3, armor_alpha_decay_steps=4)
+    decisions, rounds = record_decisions(trainer), record_reference_logps(trainer)
+    trainer.train()
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert [(d["step"], d["engaged"], d["equal"]) for d in decisions] == [(0, True, True), (0, False, False)]
+    assert decisions[1]["separate"] == 1  # the second call's anchors were sampled from π_ref itself
+    for r in rounds:
+        mask = r["mask"]
+        assert torch.allclose(r["ref"][mask], r["forward"][mask], atol=1e-5)
+    # the schedules count the optimizer steps of both calls: the reset after step 3 happened, α reached step 4's
+    assert trainer.reference.resets == 1
+    assert trainer.armor_alpha == pytest.approx(trainer.args.alpha_at(4)) == 1.0
+
+
+def test_a_second_train_with_a_collapse_guard_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1,
+                           collapse_guard="stop")
+    trainer.train()
+    with pytest.raises(ValueError, match="collapse_guard keeps its validation history"):
+        trainer.train()
