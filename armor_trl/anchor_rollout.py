@@ -76,14 +76,15 @@ class AnchorRollout:
     def same_call_applies(self) -> bool:
         """Whether this round's K candidates per group can be extra rows of the policy's generate call: π_ref holds
         the weights that generate the round (the policy's weights have not changed since the reference copied them:
-        :meth:`~armor_trl.reference.ReferencePolicy.holds_policy_weights`), and the anchors are sampled, not read from
+        :meth:`~armor_trl.reference.ReferencePolicy.holds_policy_weights`), the policy generates without dropout
+        (TRL generates and scores in train mode, π_ref runs in eval mode), and the anchors are sampled, not read from
         the dataset's column."""
         trainer = self.trainer
         if not self.args.anchor_same_call:
             return False
         if self.column is not None and self.column.active(trainer.reference.resets):
             return False
-        return trainer.reference.holds_policy_weights()
+        return trainer.reference.holds_policy_weights() and not dropout_active(trainer.model)
 
     def _same_call(self, generate_policy, group_prompt_ids: list, per_group: int):
         """One policy call with ``per_group`` on-policy rows and K candidate rows per group: the on-policy ids (and
@@ -287,6 +288,20 @@ class AnchorRollout:
         loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
         output["num_items_in_batch"] = self.trainer.accelerator.gather(loss_mask.sum()).sum()
         return self.anchor_mask(rows, anchors, device)
+
+
+def dropout_active(model) -> bool:
+    """Whether ``model`` in its current mode drops anything: a dropout module with p > 0 in train mode (LoRA's
+    dropout among them), or, in train mode, a dropout rate in its config (attention dropout is applied by the
+    attention function from ``config.attention_dropout``, not by a module)."""
+    if not model.training:
+        return False
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    settings = config.to_dict() if hasattr(config, "to_dict") else {}
+    return any(("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float)) and value > 0
+               for key, value in settings.items())
 
 
 def reward_func_mask(names, reward_func_names: list[str]) -> torch.Tensor | None:

@@ -257,12 +257,16 @@ class ArmorConfig(GRPOConfig):
     anchor_same_call: bool = field(
         default=True,
         metadata={
-            "help": "When π_ref holds exactly the weights that generate the rollout batch (no optimizer step since the "
-            "reference last copied the policy: step 0 with the initial policy as reference, a reset at every rollout "
-            "batch, a reset on a rollout boundary), sample the K anchor candidates per group as extra rows of the "
-            "policy's own generate call, and reuse the old-policy log-probs as π_ref's (when TRL computes them): no "
-            "second generate call, no weight swap. Same distribution as a separate reference call, other random "
-            "draws. Logged as `armor/anchor_same_call`. False: always sample candidates in a separate call."
+            "help": "When π_ref holds exactly the weights that generate the rollout batch (the policy's weights have "
+            "not changed since the reference copied them: step 0 with the initial policy as reference, a reset at "
+            "every rollout batch, a reset on a rollout boundary) and no dropout is active in the policy (TRL generates "
+            "and computes old log-probs in train mode, π_ref runs in eval mode: a dropout module with p > 0, e.g. "
+            "LoRA's `lora_dropout` unless `disable_dropout=True`, or a dropout rate > 0 in the model's config, e.g. "
+            "`attention_dropout`, which `disable_dropout` leaves on, makes every round a separate call), sample the K anchor "
+            "candidates per group as extra rows of the policy's own generate call, and reuse the old-policy log-probs "
+            "as π_ref's (when TRL computes them): no second generate call, no weight swap. Same distribution as a "
+            "separate reference call, other random draws. Logged as `armor/anchor_same_call`. False: always sample "
+            "candidates in a separate call."
         },
     )
     anchor_column: str = field(

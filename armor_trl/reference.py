@@ -153,7 +153,12 @@ class ReferencePolicy:
                 f"The PEFT model already has an adapter named {REF_ADAPTER!r}; ARMOR uses that name for the reference "
                 "adapter. Rename or delete it first."
             )
-        peft_model.add_adapter(REF_ADAPTER, peft_model.peft_config[trained])
+        # π_ref only ever runs in eval mode, so its adapter's dropout never acts; built without it, no dropout module
+        # of an inactive adapter makes the policy look as if it generated with dropout (anchor_same_call)
+        config = copy.copy(peft_model.peft_config[trained])
+        if getattr(config, "lora_dropout", 0.0):
+            config.lora_dropout = 0.0
+        peft_model.add_adapter(REF_ADAPTER, config)
         reference = cls("lora", model=None, trained_adapter=trained)
         for param in adapter_parameters(peft_model, REF_ADAPTER).values():
             param.requires_grad_(False)

@@ -216,3 +216,34 @@ def test_a_second_train_with_a_collapse_guard_is_refused(tiny_model_path, tiny_t
     trainer.train()
     with pytest.raises(ValueError, match="collapse_guard keeps its validation history"):
         trainer.train()
+
+
+@pytest.mark.parametrize("disable_dropout", [False, True])
+def test_same_call_only_without_dropout(disable_dropout, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    # Reset after every step, so π_ref holds the generating weights at every round; but TRL generates and computes the
+    # old log-probs in train mode, with LoRA's dropout (0.5) on unless disable_dropout, while π_ref runs in eval mode.
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, peft_config=lora, max_steps=4,
+                           learning_rate=1e-1, steps_per_generation=2, ref_reset_every_step_until=10,
+                           disable_dropout=disable_dropout)
+    rounds = record_reference_logps(trainer)
+    trainer.train()
+    assert [r["same_call"] for r in rounds] == [disable_dropout] * 2
+    assert logged(trainer, "armor/anchor_same_call") == [float(disable_dropout)] * 2
+    for r in rounds:  # the stored π_ref log-probs are an eval-mode π_ref forward's
+        mask = r["mask"]
+        assert torch.allclose(r["ref"][mask], r["forward"][mask], atol=1e-5)
+
+
+def test_dropout_in_the_model_config_counts_as_active(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from armor_trl.anchor_rollout import dropout_active
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model.train()
+    assert not dropout_active(model)
+    model.config.attention_dropout = 0.3  # applied by the attention function in train mode, not by a module
+    assert dropout_active(model)
+    model.eval()
+    assert not dropout_active(model)
