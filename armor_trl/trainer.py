@@ -43,8 +43,9 @@ from .vllm_reference import ReferenceServer
 
 logger = logging.get_logger(__name__)
 
-# ArmorConfig fields a checkpoint's state depends on; a resumed run must share them (the later ones enter the
-# fingerprint only when they differ from their default, so checkpoints written before they existed still resume).
+# ArmorConfig fields a checkpoint's state depends on; a resumed run must share them. The later ones are written only
+# when they differ from their default and compared both ways, a missing one counting as its default (so checkpoints
+# written before a field existed resume while it stays at its default).
 FINGERPRINT_FIELDS = (
     "use_anchors", "use_mixed_ratio", "num_generations", "anchor_num_samples", "anchor_reward_threshold",
     "anchor_filter", "anchor_cache", "anchor_cache_failures", "ref_reset_steps", "ref_reset_every_step_until",
@@ -54,6 +55,7 @@ LOOP_FIELDS = (
     "armor_alpha_decay_steps", "ref_reset_at_steps", "anchor_selection", "anchor_gate_only", "off_policy_ratio",
     "mask_negative_anchor_advantage", "anchor_reward_funcs", "anchors_per_group", "anchor_loss_weight",
     "anchor_source", "anchor_column", "anchor_cache_per_prompt", "collapse_guard", "advantage_quantile_interpolation",
+    "collapse_guard_metric", "collapse_guard_drop", "collapse_guard_patience",  # the guard's history was judged by them
 )
 
 
@@ -410,7 +412,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 logger.warning(f"Skipping {path}: it is incomplete (the run stopped while writing it); left as is.")
             if checkpoint is None:
                 raise ValueError(f"No complete ArmorGRPOTrainer checkpoint found in {output_dir}.")
-        check_fingerprint(checkpoint, self._fingerprint())
+        defaults = {name: ArmorConfig.__dataclass_fields__[name].default for name in LOOP_FIELDS}
+        check_fingerprint(checkpoint, self._fingerprint(), defaults)
         return checkpoint
 
     def _save_checkpoint(self, model, trial):
