@@ -19,6 +19,7 @@ from . import trl_seam as seam
 from .advantages import total_rewards
 from .anchors import AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
 from .column_anchors import ColumnAnchors, verify_round
+from .loss_rows import drop_rows
 from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
 
 
@@ -281,12 +282,9 @@ class AnchorRollout:
         keep = ~self.empty_slots(rows, anchors, device)
         if self.args.anchor_filter == "drop":
             keep &= anchors.has_anchor.to(device).repeat_interleave(self.trainer.num_generations)
-        output["advantages"] = output["advantages"] * keep
         if "importance_sampling_ratio" in output:  # vLLM correction: anchors were sampled by π_ref, not the engine
             output["importance_sampling_ratio"][self.slot_rows(rows, device)] = 1.0
-        output["completion_mask"] = completion_mask * keep.unsqueeze(1).to(completion_mask.dtype)
-        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
-        output["num_items_in_batch"] = self.trainer.accelerator.gather(loss_mask.sum()).sum()
+        drop_rows(self.trainer, output, keep)
         return self.anchor_mask(rows, anchors, device)
 
 
