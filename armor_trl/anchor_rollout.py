@@ -1,4 +1,4 @@
-"""Anchor Rollout (ARMOR.md, "Anchor Rollout"): one verified completion of π_ref in each group.
+"""Anchor Rollout (docs/algorithm.md, "1. Anchor Rollout"): one verified completion of π_ref in each group.
 
 :class:`AnchorRollout` fills a generation round: G − m on-policy completions per group from the trainer's own path,
 then m anchors per group, from the anchor cache, from the dataset's anchor column, or picked from

@@ -134,8 +134,13 @@ class ArmorConfig(GRPOConfig):
     armor_alpha_decay_steps: int | None = field(
         default=None,
         metadata={
-            "help": "α rises linearly from its start value (`armor_alpha`) to 1 over this many optimizer steps (the ARMOR "
-            "authors' `decay_steps`); `None` keeps α constant."
+            "help": "α rises linearly from its start value α₀ (`armor_alpha`) to 1 over this many optimizer steps: after s "
+            "optimizer steps of ARMOR (TRL's global_step since ARMOR started, over every train() call), α = α₀ + "
+            "(1 − α₀)·min(s / this, 1). It counts optimizer steps, like `ref_reset_steps`. The ARMOR authors' "
+            "`decay_steps` counts their trainer steps, one per rollout batch (16 optimizer steps in their scripts), "
+            "from 1 at the first rollout, and sets α once per rollout: their D is about D × (optimizer steps per "
+            "rollout) here, one rollout later. Their α also moves in steps of 1/G (it sets int(α·G) on-policy "
+            "samples and α to that over G); no script of theirs uses it (decay_steps=0). `None` keeps α constant."
         },
     )
     # --- DAPO's loop: dynamic sampling with refill, QAE ---
@@ -168,8 +173,8 @@ class ArmorConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "QAE (arXiv 2509.22611): the group baseline is this quantile K of the group's rewards (see "
-            "`advantage_quantile_interpolation`) instead of the mean; the std scaling is unchanged. The ARMOR paper "
-            "used K = 0.4 / 0.45."
+            "`advantage_quantile_interpolation`) instead of the mean; the std scaling is unchanged. The ARMOR "
+            "authors' public QAE + ARMOR script sets K = 0.45 (their `quantile_k`)."
         },
     )
     advantage_quantile_interpolation: str = field(

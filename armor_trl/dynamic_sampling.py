@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling with refill, over the trainer's generation rounds (ARMOR.md, "The authors' loop").
+"""DAPO's dynamic sampling with refill, over the trainer's generation rounds (docs/algorithm.md, "The authors' code").
 
 A round is generated and scored by TRL (with anchors, when ARMOR is on); groups whose on-policy samples are all
 correct or all wrong (and, with ``anchor_filter="drop"``, groups without an anchor) are dropped, and further rounds

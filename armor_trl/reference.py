@@ -9,7 +9,7 @@ ARMOR needs π_ref at β = 0, where TRL builds none, so the trainer owns it. Two
   adapter is PEFT's call (its adapter state dict), so every layout is covered: LoRA on linear and embedding
   layers, DoRA, ``trainable_token_indices``, ``modules_to_save``. π_ref is computed in eval mode (no dropout).
 
-A reset makes π_ref an exact copy of the current policy (ARMOR.md, "Reference reset").
+A reset makes π_ref an exact copy of the current policy (docs/algorithm.md, "3. The reference and its resets").
 """
 
 from __future__ import annotations
