@@ -394,6 +394,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
                                  "train(resume_from_checkpoint=True), or build a new ArmorGRPOTrainer.")
             if self.armor_started_at is not None:
                 self.armor_started_at -= self.state.global_step  # schedules count global_step - armor_started_at
+            seam.discard_rollouts(self)  # buffered rows and vLLM's weights are the last call's, by a restarted step
         return super().train(checkpoint, *args, **kwargs)
 
     def _resolve_checkpoint(self, checkpoint):

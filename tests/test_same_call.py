@@ -247,3 +247,17 @@ def test_dropout_in_the_model_config_counts_as_active(tiny_model_path):
     assert dropout_active(model)
     model.eval()
     assert not dropout_active(model)
+
+
+def test_loading_the_best_model_at_the_end_counts_as_a_change_of_the_policy_weights():
+    from types import SimpleNamespace
+
+    from armor_trl.reference import ReferenceResetCallback, ReferencePolicy
+
+    reference = ReferencePolicy("full")
+    reference.copied_version = reference.policy_version  # π_ref = the policy, e.g. right after a reset
+    callback = ReferenceResetCallback(reference, lambda: None, None, None)
+    callback.on_train_end(SimpleNamespace(load_best_model_at_end=False), None, None)
+    assert reference.holds_policy_weights()
+    callback.on_train_end(SimpleNamespace(load_best_model_at_end=True), None, None)  # transformers loaded other weights
+    assert not reference.holds_policy_weights()
