@@ -1,4 +1,4 @@
-"""Anchor Rollout (ARMOR.md, "Anchor Rollout"): one verified completion of π_ref in each group.
+"""Anchor Rollout (docs/algorithm.md, "1. Anchor Rollout"): one verified completion of π_ref in each group.
 
 :class:`AnchorRollout` fills a generation round: G − m on-policy completions per group from the trainer's own path,
 then m anchors per group, from the anchor cache, from the dataset's anchor column, or picked from
@@ -20,6 +20,7 @@ from .advantages import total_rewards
 from .anchors import (AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask,
                       verifier_counts)
 from .column_anchors import ColumnAnchors, verify_round
+from .loss_rows import drop_rows
 from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
 
 
@@ -76,15 +77,16 @@ class AnchorRollout:
 
     def same_call_applies(self) -> bool:
         """Whether this round's K candidates per group can be extra rows of the policy's generate call: π_ref holds
-        the weights that generate the round, i.e. no optimizer step since the reference last copied the policy
-        (decided by the reference's state, not by comparing weights), and the anchors are sampled, not read from
+        the weights that generate the round (the policy's weights have not changed since the reference copied them:
+        :meth:`~armor_trl.reference.ReferencePolicy.holds_policy_weights`), the policy generates without dropout
+        (TRL generates and scores in train mode, π_ref runs in eval mode), and the anchors are sampled, not read from
         the dataset's column."""
         trainer = self.trainer
         if not self.args.anchor_same_call:
             return False
         if self.column is not None and self.column.active(trainer.reference.resets):
             return False
-        return trainer.reference.equals_policy_at(trainer.state.global_step)
+        return trainer.reference.holds_policy_weights() and not dropout_active(trainer.model)
 
     def _same_call(self, generate_policy, group_prompt_ids: list, per_group: int):
         """One policy call with ``per_group`` on-policy rows and K candidate rows per group: the on-policy ids (and
@@ -284,13 +286,24 @@ class AnchorRollout:
         keep = ~self.empty_slots(rows, anchors, device)
         if self.args.anchor_filter == "drop":
             keep &= anchors.has_anchor.to(device).repeat_interleave(self.trainer.num_generations)
-        output["advantages"] = output["advantages"] * keep
         if "importance_sampling_ratio" in output:  # vLLM correction: anchors were sampled by π_ref, not the engine
             output["importance_sampling_ratio"][self.slot_rows(rows, device)] = 1.0
-        output["completion_mask"] = completion_mask * keep.unsqueeze(1).to(completion_mask.dtype)
-        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
-        output["num_items_in_batch"] = self.trainer.accelerator.gather(loss_mask.sum()).sum()
+        drop_rows(self.trainer, output, keep)
         return self.anchor_mask(rows, anchors, device)
+
+
+def dropout_active(model) -> bool:
+    """Whether ``model`` in its current mode drops anything: a dropout module with p > 0 in train mode (LoRA's
+    dropout among them), or, in train mode, a dropout rate in its config (attention dropout is applied by the
+    attention function from ``config.attention_dropout``, not by a module)."""
+    if not model.training:
+        return False
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    settings = config.to_dict() if hasattr(config, "to_dict") else {}
+    return any(("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float)) and value > 0
+               for key, value in settings.items())
 
 
 def reward_func_mask(names, reward_func_names: list[str]) -> torch.Tensor | None:

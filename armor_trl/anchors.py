@@ -1,4 +1,4 @@
-"""Anchor Rollout bookkeeping (ARMOR.md, "Anchor Rollout"), as pure functions of indices and tensors.
+"""Anchor Rollout bookkeeping (docs/algorithm.md, "1. Anchor Rollout"), as pure functions of indices and tensors.
 
 Layout: a generation round holds groups of G consecutive rows with the same prompt. ARMOR keeps the
 first G−m rows of each group for on-policy completions and the last m rows (``anchors_per_group``, 1 in
@@ -138,7 +138,7 @@ def fill_groups(policy_items: list, anchor_items: list, num_generations: int, an
 
 
 class AnchorCache:
-    """Verified anchors per prompt, reused until the reference changes (ARMOR.md: a replay buffer of anchors).
+    """Verified anchors per prompt, reused until the reference changes (the reviewers' replay buffer of anchors).
 
     A verified anchor is a sample of π_ref conditioned on R = 1; while π_ref is unchanged it stays one,
     so a prompt that already has one needs no new candidates. ``reference_version`` (the reset count)

@@ -73,6 +73,12 @@ class ArmorState:
     def load(self, directory: str, skip: tuple[str, ...] = ()) -> dict:
         """Restore every registered part (but those in ``skip``) from ``directory``; return the saved parts."""
         parts = read_state(directory)["parts"]
+        unknown = sorted(name for name, state in parts.items() if state is not None and name not in self.parts)
+        if unknown:  # e.g. a collapse guard's history or a refill stream this run has no part to continue
+            raise ValueError(
+                f"Checkpoint {directory} holds ARMOR state this run does not use ({', '.join(unknown)}): it was written "
+                "with other settings. Resume with the settings it was written with."
+            )
         for name, part in self.parts.items():
             if name in skip:
                 continue
@@ -134,10 +140,13 @@ def latest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
     return None, incomplete
 
 
-def check_fingerprint(checkpoint: str, expected: dict) -> None:
-    """Refuse to resume ``checkpoint`` when it was written with other settings than ``expected``."""
-    saved = read_state(checkpoint)["config"]
-    differing = {k: (saved.get(k), v) for k, v in expected.items() if saved.get(k) != v}
+def check_fingerprint(checkpoint: str, expected: dict, defaults: dict | None = None) -> None:
+    """Refuse to resume ``checkpoint`` when it was written with other settings than ``expected``. A field of
+    ``defaults`` is compared both ways: missing on either side, it holds its default there."""
+    saved, defaults = read_state(checkpoint)["config"], defaults or {}
+    names = list(expected) + [name for name in saved if name in defaults and name not in expected]
+    pairs = {name: (saved.get(name, defaults.get(name)), expected.get(name, defaults.get(name))) for name in names}
+    differing = {name: (old, new) for name, (old, new) in pairs.items() if old != new}
     if differing:
         details = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in differing.items())
         raise ValueError(

@@ -1,6 +1,6 @@
 """The collapse guard: watch validation, detect the collapse, then stop or switch ARMOR on (the two-stage protocol).
 
-The paper's protocol (ARMOR.md) is: train DAPO, watch validation, take the best checkpoint before the collapse and
+The paper's protocol (docs/protocol.md) is: train DAPO, watch validation, take the best checkpoint before the collapse and
 continue from it with ARMOR, that checkpoint also being the initial reference. With ``collapse_guard="armor"`` one run
 does it: ARMOR is dormant (plain GRPO/DAPO) until :func:`collapse_detected` says so, then :meth:`CollapseGuard._fire`
 loads the best checkpoint's weights and optimizer state into the policy, resets π_ref to them and starts ARMOR.

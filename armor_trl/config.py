@@ -168,8 +168,13 @@ class ArmorConfig(GRPOConfig):
     armor_alpha_decay_steps: int | None = field(
         default=None,
         metadata={
-            "help": "α rises linearly from its start value (`armor_alpha`) to 1 over this many optimizer steps (the ARMOR "
-            "authors' `decay_steps`); `None` keeps α constant."
+            "help": "α rises linearly from its start value α₀ (`armor_alpha`) to 1 over this many optimizer steps: after s "
+            "optimizer steps of ARMOR (TRL's global_step since ARMOR started, over every train() call), α = α₀ + "
+            "(1 − α₀)·min(s / this, 1). It counts optimizer steps, like `ref_reset_steps`. The ARMOR authors' "
+            "`decay_steps` counts their trainer steps, one per rollout batch (16 optimizer steps in their scripts), "
+            "from 1 at the first rollout, and sets α once per rollout: their D is about D × (optimizer steps per "
+            "rollout) here, one rollout later. Their α also moves in steps of 1/G (it sets int(α·G) on-policy "
+            "samples and α to that over G); no script of theirs uses it (decay_steps=0). `None` keeps α constant."
         },
     )
     # --- DAPO's loop: dynamic sampling with refill, QAE ---
@@ -202,8 +207,8 @@ class ArmorConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "QAE (arXiv 2509.22611): the group baseline is this quantile K of the group's rewards (see "
-            "`advantage_quantile_interpolation`) instead of the mean; the std scaling is unchanged. The ARMOR paper "
-            "used K = 0.4 / 0.45."
+            "`advantage_quantile_interpolation`) instead of the mean; the std scaling is unchanged. The ARMOR "
+            "authors' public QAE + ARMOR script sets K = 0.45 (their `quantile_k`)."
         },
     )
     advantage_quantile_interpolation: str = field(
@@ -291,12 +296,16 @@ class ArmorConfig(GRPOConfig):
     anchor_same_call: bool = field(
         default=True,
         metadata={
-            "help": "When π_ref holds exactly the weights that generate the rollout batch (no optimizer step since the "
-            "reference last copied the policy: step 0 with the initial policy as reference, a reset at every rollout "
-            "batch, a reset on a rollout boundary), sample the K anchor candidates per group as extra rows of the "
-            "policy's own generate call, and reuse the old-policy log-probs as π_ref's (when TRL computes them): no "
-            "second generate call, no weight swap. Same distribution as a separate reference call, other random "
-            "draws. Logged as `armor/anchor_same_call`. False: always sample candidates in a separate call."
+            "help": "When π_ref holds exactly the weights that generate the rollout batch (the policy's weights have "
+            "not changed since the reference copied them: step 0 with the initial policy as reference, a reset at "
+            "every rollout batch, a reset on a rollout boundary) and no dropout is active in the policy (TRL generates "
+            "and computes old log-probs in train mode, π_ref runs in eval mode: a dropout module with p > 0, e.g. "
+            "LoRA's `lora_dropout` unless `disable_dropout=True`, or a dropout rate > 0 in the model's config, e.g. "
+            "`attention_dropout`, which `disable_dropout` leaves on, makes every round a separate call), sample the K anchor "
+            "candidates per group as extra rows of the policy's own generate call, and reuse the old-policy log-probs "
+            "as π_ref's (when TRL computes them): no second generate call, no weight swap. Same distribution as a "
+            "separate reference call, other random draws. Logged as `armor/anchor_same_call`. False: always sample "
+            "candidates in a separate call."
         },
     )
     anchor_column: str = field(

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling with refill, over the trainer's generation rounds (ARMOR.md, "The authors' loop").
+"""DAPO's dynamic sampling with refill, over the trainer's generation rounds (docs/algorithm.md, "The authors' code").
 
 A round is generated and scored by TRL (with anchors, when ARMOR is on); groups whose on-policy samples are all
 correct or all wrong (and, with ``anchor_filter="drop"``, groups without an anchor) are dropped, and further rounds
@@ -15,6 +15,7 @@ from transformers.utils import logging
 
 from . import trl_seam as seam
 from .advantages import DROP_REASONS, dynamic_sampling_keep, group_advantages
+from .loss_rows import drop_rows
 from .refill import RefillSampler, concat_rows, take_rows
 
 logger = logging.get_logger(__name__)
@@ -113,11 +114,9 @@ class DynamicSampling:
         keep = torch.arange(target, device=device) < kept_groups
         batch["advantages"] = advantages_across_processes(trainer, batch["armor_reward"], keep)
         row_keep = keep.repeat_interleave(group_size)
-        batch["completion_mask"] = batch["completion_mask"] * row_keep.unsqueeze(1).to(batch["completion_mask"].dtype)
+        drop_rows(trainer, batch, row_keep)
         if "armor_is_anchor" in batch:
             batch["armor_is_anchor"] = batch["armor_is_anchor"] & row_keep
-        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
-        batch["num_items_in_batch"] = trainer.accelerator.gather(loss_mask.sum()).sum()
         self._log(counts, rounds, short)
         return batch
 

@@ -1,4 +1,4 @@
-"""ARMOR's Mixed Optimization as pure tensor functions (ARMOR.md, "Mixed Optimization").
+"""ARMOR's Mixed Optimization as pure tensor functions (docs/algorithm.md, "2. Mixed Optimization").
 
 Everything here is a function of tensors and floats; nothing imports TRL. The trainer feeds
 ``mixed_logprobs`` into TRL's clipped surrogate for both the current and the old policy, so that
@@ -40,7 +40,7 @@ def mixed_ratio(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tens
 def trust_region_bounds(
     old_prob: torch.Tensor, ref_prob: torch.Tensor, alpha: float, eps_low: float, eps_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values of π_θ at which r_mix reaches 1 − ε_low and 1 + ε_high (ARMOR.md, trust region).
+    """The values of π_θ at which r_mix reaches 1 − ε_low and 1 + ε_high (docs/algorithm.md, "2. Mixed Optimization").
 
     lower = (1 − ε_low)·π_old − ε_low·(1−α)/α·π_ref
     upper = (1 + ε_high)·π_old + ε_high·(1−α)/α·π_ref

@@ -9,7 +9,7 @@ ARMOR needs π_ref at β = 0, where TRL builds none, so the trainer owns it. Two
   adapter is PEFT's call (its adapter state dict), so every layout is covered: LoRA on linear and embedding
   layers, DoRA, ``trainable_token_indices``, ``modules_to_save``. π_ref is computed in eval mode (no dropout).
 
-A reset makes π_ref an exact copy of the current policy (ARMOR.md, "Reference reset").
+A reset makes π_ref an exact copy of the current policy (docs/algorithm.md, "3. The reference and its resets").
 """
 
 from __future__ import annotations
@@ -127,6 +127,11 @@ class ReferencePolicy:
         self.last_reset_step = 0
         # optimizer step after which π_ref was last made equal to the policy (None: never, e.g. a given ref_model)
         self.synced_step: int | None = None
+        # Identity of weights, not step arithmetic (a second train(), a rollback or a resume make step numbers lie):
+        # the policy's weights get a new version at every optimizer step and every load; π_ref remembers the version
+        # it copied (None: weights of unknown relation to the policy's, e.g. a given ref_model).
+        self.policy_version = 0
+        self.copied_version: int | None = None
         # optimizer step of this run whose policy weights π_ref holds (differs from synced_step after a rollback, e.g.
         # the collapse guard's); with validation at that step it gives the reference's own accuracy. None: unknown
         self.weights_step: int | None = None
@@ -148,12 +153,18 @@ class ReferencePolicy:
                 f"The PEFT model already has an adapter named {REF_ADAPTER!r}; ARMOR uses that name for the reference "
                 "adapter. Rename or delete it first."
             )
-        peft_model.add_adapter(REF_ADAPTER, peft_model.peft_config[trained])
+        # π_ref only ever runs in eval mode, so its adapter's dropout never acts; built without it, no dropout module
+        # of an inactive adapter makes the policy look as if it generated with dropout (anchor_same_call)
+        config = copy.copy(peft_model.peft_config[trained])
+        if getattr(config, "lora_dropout", 0.0):
+            config.lora_dropout = 0.0
+        peft_model.add_adapter(REF_ADAPTER, config)
         reference = cls("lora", model=None, trained_adapter=trained)
         for param in adapter_parameters(peft_model, REF_ADAPTER).values():
             param.requires_grad_(False)
         reference.copy_from(peft_model)
         reference.synced_step = reference.weights_step = 0
+        reference.copied_version = reference.policy_version
         return reference
 
     # --- reset -------------------------------------------------------------------------------------------------
@@ -214,10 +225,15 @@ class ReferencePolicy:
         self.last_reset_step = step
         self.synced_step = step
         self.weights_step = step if weights_step is None else weights_step
+        self.copied_version = self.policy_version
 
-    def equals_policy_at(self, step: int) -> bool:
-        """True when π_ref is known to equal the policy after optimizer step ``step`` (no update since a copy)."""
-        return self.synced_step == step
+    def policy_changed(self) -> None:
+        """The policy's weights changed (an optimizer step, weights loaded into it): they get a new version."""
+        self.policy_version += 1
+
+    def holds_policy_weights(self) -> bool:
+        """True when π_ref holds exactly the policy's current weights: it copied them and they have not changed since."""
+        return self.copied_version is not None and self.copied_version == self.policy_version
 
     # --- use ---------------------------------------------------------------------------------------------------
     @property
@@ -255,7 +271,8 @@ class ReferencePolicy:
     # --- save / restore ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "resets": self.resets, "last_reset_step": self.last_reset_step,
-                "synced_step": self.synced_step, "weights_step": self.weights_step}
+                "synced_step": self.synced_step, "weights_step": self.weights_step,
+                "policy_version": self.policy_version, "copied_version": self.copied_version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != self.kind:
@@ -267,6 +284,13 @@ class ReferencePolicy:
         self.last_reset_step = state["last_reset_step"]
         self.synced_step = state.get("synced_step")
         self.weights_step = state.get("weights_step")
+        # Loaded with the policy's weights of the same checkpoint (resume, rollback): those get a version not used
+        # before in this process, and π_ref equals them iff it equalled them when saved. Checkpoints written before
+        # versions existed do not say, so π_ref counts as different (a separate reference call, always exact).
+        saved_policy, saved_copy = state.get("policy_version"), state.get("copied_version")
+        self.policy_version = max(self.policy_version, saved_policy or 0) + 1
+        same = saved_policy is not None and saved_copy == saved_policy
+        self.copied_version = self.policy_version if same else None
 
     def save_weights(self, directory: str, policy: nn.Module, write: bool = True) -> None:
         """Write the reference's weights (or the "ref" adapter's) as safetensors. Collective under ZeRO-3 (parameters
@@ -338,11 +362,17 @@ class ReferenceResetCallback(TrainerCallback):
         self.start_step = start_step
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.reference.policy_changed()
         start = self.start_step()
         if start is None:
             return control
         if reset_due(state.global_step - start, self.reset_steps, self.every_step_until, self.at_steps):
             self.reference.reset(self.get_policy(), state.global_step)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if args.load_best_model_at_end:  # transformers may just have loaded the best checkpoint's weights
+            self.reference.policy_changed()
         return control
 
 
@@ -375,6 +405,7 @@ def build_reference(trainer, ref_model, ref_copy: nn.Module | None, quantization
     if args.cast_lm_head_to_fp32:  # as GRPOTrainer casts the policy's head, so a reset copies it exactly
         cast_lm_head_to_fp32(model)
     reference = ReferencePolicy.full(seam.prepare_like_reference_model(trainer, model, args.cast_lm_head_to_fp32))
-    if ref_model is None:
-        reference.synced_step = reference.weights_step = 0  # a copy of the initial policy
+    if ref_model is None:  # a copy of the initial policy
+        reference.synced_step = reference.weights_step = 0
+        reference.copied_version = reference.policy_version
     return reference

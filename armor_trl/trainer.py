@@ -35,6 +35,7 @@ from .checkpoint import ArmorState, check_fingerprint, latest_complete_checkpoin
 from .collapse_guard import CollapseGuard
 from .config import ArmorConfig
 from .dynamic_sampling import DynamicSampling, advantages_across_processes
+from .loss_rows import over_kept_rows
 from .mixture import mixed_logprobs
 from .reference import ReferenceResetCallback, build_reference, copy_model_for_reference
 from .reward_checks import checked
@@ -43,8 +44,9 @@ from .vllm_reference import ReferenceServer
 
 logger = logging.get_logger(__name__)
 
-# ArmorConfig fields a checkpoint's state depends on; a resumed run must share them (the later ones enter the
-# fingerprint only when they differ from their default, so checkpoints written before they existed still resume).
+# ArmorConfig fields a checkpoint's state depends on; a resumed run must share them. The later ones are written only
+# when they differ from their default and compared both ways, a missing one counting as its default (so checkpoints
+# written before a field existed resume while it stays at its default).
 FINGERPRINT_FIELDS = (
     "use_anchors", "use_mixed_ratio", "num_generations", "anchor_num_samples", "anchor_reward_threshold",
     "anchor_filter", "anchor_cache", "anchor_cache_failures", "ref_reset_steps", "ref_reset_every_step_until",
@@ -54,6 +56,7 @@ LOOP_FIELDS = (
     "armor_alpha_decay_steps", "ref_reset_at_steps", "anchor_selection", "anchor_gate_only", "off_policy_ratio",
     "mask_negative_anchor_advantage", "anchor_reward_funcs", "anchors_per_group", "anchor_loss_weight",
     "anchor_source", "anchor_column", "anchor_cache_per_prompt", "collapse_guard", "advantage_quantile_interpolation",
+    "collapse_guard_metric", "collapse_guard_drop", "collapse_guard_patience",  # the guard's history was judged by them
 )
 
 
@@ -333,6 +336,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if ref_logps is not None:
             loss_inputs = self._mixed_old_inputs(inputs, ref_logps, alpha)
             replace = lambda logps: mixed_logprobs(logps, ref_logps, alpha)  # noqa: E731
+        loss_inputs = over_kept_rows(self.loss_type, loss_inputs)  # rows taken out of the loss leave its normaliser
         with seam.loss_logps_replaced(self, replace) as policy:  # also keeps the loss's log-probs for the metrics
             loss = super()._compute_loss(model, loss_inputs)
         self.armor_metrics.loss_ratios(inputs, policy["logps"].detach(), policy["entropies"], ref_logps, alpha,
@@ -382,7 +386,19 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return fingerprint
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        return super().train(self._resolve_checkpoint(resume_from_checkpoint), *args, **kwargs)
+        """TRL's ``train``. Called again without resuming, training goes on from the current weights (as with any
+        transformers Trainer, whose step count restarts at 0) and ARMOR's α and reset schedules go on from where they
+        were, counted in optimizer steps of all calls; π_ref, its resets and the anchor cache stay as they are."""
+        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        if not checkpoint and self.state.global_step > 0:
+            if self.collapse_guard is not None:
+                raise ValueError("This trainer has trained already, and collapse_guard keeps its validation history by "
+                                 "optimizer step, which a second train() would count from 0 again. Resume with "
+                                 "train(resume_from_checkpoint=True), or build a new ArmorGRPOTrainer.")
+            if self.armor_started_at is not None:
+                self.armor_started_at -= self.state.global_step  # schedules count global_step - armor_started_at
+            seam.discard_rollouts(self)  # buffered rows and vLLM's weights are the last call's, by a restarted step
+        return super().train(checkpoint, *args, **kwargs)
 
     def _resolve_checkpoint(self, checkpoint):
         """The newest complete checkpoint for ``True``; refuse one written with other ARMOR settings."""
@@ -402,7 +418,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 logger.warning(f"Skipping {path}: it is incomplete (the run stopped while writing it); left as is.")
             if checkpoint is None:
                 raise ValueError(f"No complete ArmorGRPOTrainer checkpoint found in {output_dir}.")
-        check_fingerprint(checkpoint, self._fingerprint())
+        defaults = {name: ArmorConfig.__dataclass_fields__[name].default for name in LOOP_FIELDS}
+        check_fingerprint(checkpoint, self._fingerprint(), defaults)
         return checkpoint
 
     def _save_checkpoint(self, model, trial):

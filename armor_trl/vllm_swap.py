@@ -23,7 +23,7 @@ def reference_in_engine(trainer):
     """Within the block, ``trainer.vllm_generation`` samples from the reference policy."""
     reference, engine = trainer.reference, trainer.vllm_generation
     step = trainer.state.global_step
-    if reference.equals_policy_at(step):
+    if reference.holds_policy_weights():
         # The engine may still hold older policy weights: bring it to the current ones, which are π_ref's too.
         if seam.engine_step(trainer) != step:
             seam.push_to_engine(engine)

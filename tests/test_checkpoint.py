@@ -113,7 +113,7 @@ def test_resume_refuses_a_checkpoint_of_other_settings_naming_them(tiny_model_pa
     make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path, **common).train()
     other = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path,
                          **{**common, "dynamic_sampling": True})
-    with pytest.raises(ValueError, match="dynamic_sampling: checkpoint None vs now True"):
+    with pytest.raises(ValueError, match="dynamic_sampling: checkpoint False vs now True"):
         other.train(resume_from_checkpoint=True)
 
 

@@ -136,3 +136,49 @@ def test_the_cpu_quickstart_runs_as_written(tmp_path, monkeypatch, caplog):
     assert max(entry["armor/anchor_found_frac"] for entry in logged) > 0
     assert max(entry["armor/policy_abs_mixed_ratio_dev_mean"] for entry in logged) > 0  # r_mix left 1
     assert logged[-1]["armor/policy_reward_mean"] > logged[0]["armor/policy_reward_mean"]  # it learned
+
+
+SHIPPED = ("README.md", "LICENSE", "Makefile", "pyproject.toml", "armor_trl", "configs", "docs", "notebooks", "scripts",
+           "benchmarks")  # what a clone, the sdist or the wheel hands a user (tests/ aside)
+OUTSIDE = ("../shared", "ARMOR.md", "/work/")  # the project's own notes and spec, which a user does not have
+
+
+def shipped_text_files():
+    for name in SHIPPED:
+        path = REPO / name
+        for file in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
+            if "__pycache__" in file.parts or file.suffix in (".png", ".pyc", ".safetensors", ".parquet"):
+                continue
+            try:
+                yield file, file.read_text()
+            except UnicodeDecodeError:
+                continue
+
+
+def test_no_shipped_file_points_outside_the_repository():
+    found = [(str(file.relative_to(REPO)), text.count(marker)) for file, text in shipped_text_files()
+             for marker in OUTSIDE if marker in text]
+    assert not found, found
+
+
+def test_every_armor_config_field_is_documented_in_configuration_md():
+    from trl import GRPOConfig
+
+    from armor_trl import ArmorConfig
+
+    text = (REPO / "docs" / "configuration.md").read_text()
+    grpo = {field.name for field in dataclasses.fields(GRPOConfig)}
+    own = [field.name for field in dataclasses.fields(ArmorConfig) if field.name not in grpo]
+    assert len(own) >= 40
+    # named in code, alone (`name`) or with a value (`name=...`)
+    assert [name for name in own if not re.search(rf"`{name}[`=]", text)] == []
+
+
+def test_the_authors_code_is_named_and_the_differences_stated():
+    readme, algorithm = README.read_text(), (REPO / "docs" / "algorithm.md").read_text()
+    assert "released no code" not in readme
+    for page in (readme, algorithm):
+        assert "github.com/Hesse73/ARMOR" in page
+    section = algorithm.split("## The authors' code", 1)[1].split("\n## ", 1)[0]
+    for topic in ("What counts as correct", "QAE's quantile", "Same-call anchors", "Step units"):
+        assert topic in section

@@ -377,3 +377,17 @@ def test_checkpointing_keys_take_the_installed_transformers_name():
     assert with_installed_names(recipe, older) == {"gradient_checkpointing": False, "seed": 1,
                                                    "gradient_checkpointing_kwargs": {"use_reentrant": False}}
     assert with_installed_names(recipe, older | set(recipe)) == recipe  # a transformers with the new names
+
+
+def test_alpha_decay_says_its_unit_and_the_hybrid_recipe_what_the_code_does():
+    from armor_trl import ArmorConfig
+
+    help_text = ArmorConfig.__dataclass_fields__["armor_alpha_decay_steps"].metadata["help"]
+    assert "optimizer steps" in help_text and "one per rollout batch" in help_text  # theirs counts rollout steps
+    hybrid = (CONFIGS / "qwen3-8b-base_armor_hybrid.yaml").read_text()
+    # pi_ref's log-probs and anchors are taken once per rollout, right after a reset: pi_ref = pi_old at every step
+    assert "trails the policy by one update" not in hybrid and "pi_ref = pi_old" in hybrid
+    # one optimizer step per rollout is the regime where r_mix = 1: the recipe must not suggest moving toward it
+    assert "--gradient_accumulation_steps 256" not in hybrid
+    for name in ("qwen2.5-math-7b_dapo_armor.yaml", "qwen3-8b-base_armor_hybrid.yaml"):
+        assert "armor_alpha_decay_steps: decay_steps x 16" in (CONFIGS / name).read_text()

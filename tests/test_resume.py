@@ -102,3 +102,54 @@ def test_rotation_keeps_the_last_complete_checkpoint_until_the_new_one_is_comple
     )
     resumed.train(resume_from_checkpoint=True)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]  # rotation still applies
+
+
+def checkpoint_written_with(tiny_model_path, tiny_tokenizer, dataset, folder, **settings):
+    """A checkpoint folder holding the ARMOR state file of a run with ``settings`` (its fingerprint as it saves it)."""
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, dataset, folder, **settings)
+    checkpoint = folder / "checkpoint-1"
+    checkpoint.mkdir(parents=True)
+    trainer.armor_state.save(str(checkpoint), trainer._fingerprint())
+    return str(checkpoint)
+
+
+LOOP_CHANGES = [  # (settings of the checkpoint, settings of the resuming run, what the refusal names)
+    (dict(armor_alpha_decay_steps=4, ref_reset_at_steps=[1], mask_negative_anchor_advantage=True), {},
+     ["armor_alpha_decay_steps: checkpoint 4 vs now None", "ref_reset_at_steps: checkpoint [1] vs now None",
+      "mask_negative_anchor_advantage: checkpoint True vs now False"]),
+    ({}, dict(armor_alpha_decay_steps=8), ["armor_alpha_decay_steps: checkpoint None vs now 8"]),
+    (dict(collapse_guard="armor"), {}, ["collapse_guard: checkpoint 'armor' vs now None"]),
+    ({}, dict(collapse_guard="armor"), ["collapse_guard: checkpoint None vs now 'armor'"]),
+    (dict(collapse_guard="stop", collapse_guard_patience=2), dict(collapse_guard="stop"),
+     ["collapse_guard_patience: checkpoint 2 vs now 3"]),
+]
+
+
+@pytest.mark.parametrize("saved,resumed,named", LOOP_CHANGES, ids=["to_defaults", "from_defaults", "guard_dropped",
+                                                                   "guard_added", "guard_patience"])
+def test_resume_compares_every_loop_field_both_ways(saved, resumed, named, tiny_model_path, tiny_tokenizer,
+                                                    prompt_dataset, tmp_path):
+    checkpoint = checkpoint_written_with(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "a", **saved)
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "b", **resumed)
+    with pytest.raises(ValueError, match="different ARMOR configuration") as refused:
+        trainer._resolve_checkpoint(checkpoint)
+    for text in named:
+        assert text in str(refused.value)
+    same = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "c", **saved)
+    assert same._resolve_checkpoint(checkpoint) == checkpoint  # the same settings resume
+
+
+def test_a_checkpoint_without_a_later_loop_field_resumes_at_its_default(tiny_model_path, tiny_tokenizer,
+                                                                        prompt_dataset, tmp_path):
+    # written before armor_alpha_decay_steps existed: its fingerprint has no such key
+    checkpoint = checkpoint_written_with(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "a")
+    path = os.path.join(checkpoint, STATE_FILE)
+    state = json.loads(open(path).read())
+    assert "armor_alpha_decay_steps" not in state["config"]
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "b")
+    assert trainer._resolve_checkpoint(checkpoint) == checkpoint
+    state["parts"]["collapse_guard"] = {"steps": [1], "scores": [0.5]}  # a guard's history this run cannot continue
+    with open(path, "w") as f:
+        json.dump(state, f)
+    with pytest.raises(ValueError, match="ARMOR state this run does not use \\(collapse_guard\\)"):
+        trainer.armor_state.load(checkpoint)

@@ -169,3 +169,95 @@ def test_anchor_same_call_is_a_documented_config_field(tmp_path):
     field = ArmorConfig.__dataclass_fields__["anchor_same_call"]
     assert field.default is True and "armor/anchor_same_call" in field.metadata["help"]
     assert ArmorConfig(output_dir=str(tmp_path), anchor_same_call=False, **cpu_args()).anchor_same_call is False
+
+
+def record_reference_logps(trainer):
+    """Per generation round: whether it was a same-call round, the π_ref log-probs stored for the loss, and an
+    independent forward of π_ref (eval mode, its weights of now) over the same rows."""
+    rounds, original_round, forward = [], trainer._generate_and_score_completions, trainer._completion_logps
+
+    def recording(inputs):
+        output = original_round(inputs)
+        reference, policy = trainer.reference, trainer.unwrapped_policy()
+        model = reference.model if reference.kind == "full" else trainer.model
+        with torch.no_grad(), reference.active(policy):
+            independent = forward(model, output)
+        rounds.append({"same_call": trainer.anchor_rollout.same_call_round, "ref": output["armor_ref_logps"].clone(),
+                       "forward": independent, "mask": output["completion_mask"].bool().clone()})
+        return output
+
+    trainer._generate_and_score_completions = recording
+    return rounds
+
+
+def test_a_second_train_takes_anchors_from_the_reference_and_continues_the_schedules(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    # Two optimizer steps per call, one rollout each (M = 2: TRL computes the old policy's log-probs). The second
+    # call's step count restarts at 0, but the policy has moved two steps away from the static π_ref.
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2, learning_rate=1e-1,
+                           steps_per_generation=2, ref_reset_steps=3, armor_alpha_decay_steps=4)
+    decisions, rounds = record_decisions(trainer), record_reference_logps(trainer)
+    trainer.train()
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert [(d["step"], d["engaged"], d["equal"]) for d in decisions] == [(0, True, True), (0, False, False)]
+    assert decisions[1]["separate"] == 1  # the second call's anchors were sampled from π_ref itself
+    for r in rounds:
+        mask = r["mask"]
+        assert torch.allclose(r["ref"][mask], r["forward"][mask], atol=1e-5)
+    # the schedules count the optimizer steps of both calls: the reset after step 3 happened, α reached step 4's
+    assert trainer.reference.resets == 1
+    assert trainer.armor_alpha == pytest.approx(trainer.args.alpha_at(4)) == 1.0
+
+
+def test_a_second_train_with_a_collapse_guard_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1,
+                           collapse_guard="stop")
+    trainer.train()
+    with pytest.raises(ValueError, match="collapse_guard keeps its validation history"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("disable_dropout", [False, True])
+def test_same_call_only_without_dropout(disable_dropout, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    # Reset after every step, so π_ref holds the generating weights at every round; but TRL generates and computes the
+    # old log-probs in train mode, with LoRA's dropout (0.5) on unless disable_dropout, while π_ref runs in eval mode.
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, peft_config=lora, max_steps=4,
+                           learning_rate=1e-1, steps_per_generation=2, ref_reset_every_step_until=10,
+                           disable_dropout=disable_dropout)
+    rounds = record_reference_logps(trainer)
+    trainer.train()
+    assert [r["same_call"] for r in rounds] == [disable_dropout] * 2
+    assert logged(trainer, "armor/anchor_same_call") == [float(disable_dropout)] * 2
+    for r in rounds:  # the stored π_ref log-probs are an eval-mode π_ref forward's
+        mask = r["mask"]
+        assert torch.allclose(r["ref"][mask], r["forward"][mask], atol=1e-5)
+
+
+def test_dropout_in_the_model_config_counts_as_active(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from armor_trl.anchor_rollout import dropout_active
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model.train()
+    assert not dropout_active(model)
+    model.config.attention_dropout = 0.3  # applied by the attention function in train mode, not by a module
+    assert dropout_active(model)
+    model.eval()
+    assert not dropout_active(model)
+
+
+def test_loading_the_best_model_at_the_end_counts_as_a_change_of_the_policy_weights():
+    from types import SimpleNamespace
+
+    from armor_trl.reference import ReferenceResetCallback, ReferencePolicy
+
+    reference = ReferencePolicy("full")
+    reference.copied_version = reference.policy_version  # π_ref = the policy, e.g. right after a reset
+    callback = ReferenceResetCallback(reference, lambda: None, None, None)
+    callback.on_train_end(SimpleNamespace(load_best_model_at_end=False), None, None)
+    assert reference.holds_policy_weights()
+    callback.on_train_end(SimpleNamespace(load_best_model_at_end=True), None, None)  # transformers loaded other weights
+    assert not reference.holds_policy_weights()
