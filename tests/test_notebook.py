@@ -207,17 +207,12 @@ def test_next_steps_name_installed_recipes():
 def built_wheel(tmp_path: Path) -> Path:
     """armor_trl built as a wheel from a copy of the sources (nothing is written into the repository) and unpacked
     with pip into a folder of its own, which the notebook's kernel gets first on its path."""
-    import shutil
     import subprocess
     import sys
 
-    repo = NOTEBOOK.parent.parent
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(repo / name, src / name)
-    for name in ("armor_trl", "configs"):
-        shutil.copytree(repo / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    from testing import source_copy
+
+    src = source_copy(tmp_path)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
                    check=True)

@@ -212,7 +212,6 @@ def test_the_built_wheel_installs_into_a_fresh_venv_and_trains(tmp_path):
     venv that sees nothing of this one: torch at the Makefile's version first (so pip never resolves another build),
     then the wheel as the notebook's install cell names it (`armor-trl[experiments] @ file://...`), every other
     dependency from the package index. In it: `armor-trl --help` and two optimizer steps on the tiny model."""
-    import shutil
     import subprocess
     import sys
 
@@ -222,12 +221,9 @@ def test_the_built_wheel_installs_into_a_fresh_venv_and_trains(tmp_path):
     assert "$(BIN)/twine check --strict $(DIST)/armor_trl-*" in dist_recipe
     torch_version = re.search(r"^TORCH_VERSION \?= (\S+)$", makefile, re.M).group(1)
 
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(REPO / name, src / name)
-    for name in ("armor_trl", "configs"):
-        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    from testing import source_copy
+
+    src = source_copy(tmp_path)
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "build", "--outdir", str(dist), str(src)], check=True,
                    stdout=subprocess.DEVNULL)

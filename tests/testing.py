@@ -141,6 +141,20 @@ GSM8K_ROWS = [
 ]
 
 
+def source_copy(tmp_path) -> Path:
+    """What a wheel is built from (pyproject.toml, README, LICENSE, armor_trl, configs), copied to ``tmp_path/src``:
+    a build then writes nothing into the repository."""
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("armor_trl", "configs"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return src
+
+
 def write_parquet(path, rows):
     Dataset.from_list(rows).to_parquet(str(path))
     return str(path)
