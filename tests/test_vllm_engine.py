@@ -143,6 +143,11 @@ class _nothing:
         return False
 
 
+def engine_config(trainer):
+    """vLLM's model config of the trainer's colocated engine."""
+    return trainer.vllm_generation.llm.llm_engine.model_config
+
+
 def subprocess_env() -> dict:
     """This process's environment without the rendezvous variables TRL's colocated engines leave set (a child process
     would try to bind the same MASTER_PORT)."""
@@ -183,6 +188,7 @@ def test_armor_full_model_engine_serves_reference_for_anchors_and_policy_for_rol
     trainer.train()
     # round 1: π_ref == π_θ, same-call (2 groups x (3 rollouts + 2 candidates)); rounds 2-3: rollouts from π_θ, then
     # the candidates from π_ref's weights, and π_θ's pushed back before the next rollout
+    assert not engine_config(trainer).enforce_eager  # compiled, as TRL builds it
     expected = [("both", 10), ("policy", 6), ("reference", 4), ("policy", 6), ("reference", 4)]
     assert engine.calls == expected, engine.distances
     assert engine.weights == [label for label, _ in expected]  # the engine's qkv weights, compared directly
@@ -201,6 +207,7 @@ def test_armor_lora_engine_gets_the_merged_ref_adapter_for_anchors(model_path, t
     assert engine.calls == [("both", 10), ("policy", 6), ("reference", 4), ("policy", 6), ("reference", 4)], \
         engine.distances
     assert trainer.model.active_adapter == "default"
+    assert engine_config(trainer).enforce_eager  # ArmorConfig(vllm_enforce_eager=True) reached vLLM
     assert_importance_ratio_near_one(trainer)
     assert_trained(trainer, before)
 
@@ -264,6 +271,7 @@ def test_greedy_validation_through_the_engine_counts_what_transformers_generate_
                                                                                      prompt_dataset, tmp_path):
     # float32 engine weights, so that greedy decoding picks the same tokens as the float32 model
     trainer = vllm_trainer(model_path, tokenizer, prompt_dataset, tmp_path, max_steps=2, vllm_dtype="float32")
+    assert engine_config(trainer).dtype == torch.float32  # (vLLM's default would be bfloat16)
     trainer.train()  # the policy moved after the engine's last push: validation must push it first
     held_out = prompt_dataset.select(range(8))
     settings = dict(k=2, num_samples=2, max_new_tokens=6, temperature=0, batch_size=1)
