@@ -9,6 +9,7 @@ The fake-engine tests (test_vllm_anchors.py) pin the same behaviours without vLL
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from armor_trl.checkpoint import STATE_FILE  # noqa: E402
 from armor_trl.evaluation import evaluate, evaluate_with_trainer  # noqa: E402
 from armor_trl.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from testing import (  # noqa: E402
-    REPO, SCRIPTS, cpu_args, digit_share_reward, has_digit_reward, logged, make_trainer, numbers_dataset, scripted,
+    REPO, SCRIPTS, cpu_args, load_gpu_check, digit_share_reward, has_digit_reward, logged, make_trainer, numbers_dataset, scripted,
     trainable_state,
 )
 
@@ -101,7 +102,7 @@ class EngineCalls:
         reference = getattr(trainer, "reference", None)
         policy = trainer.accelerator.unwrap_model(trainer.model)
         model = reference.model if as_reference and reference is not None and reference.kind == "full" else policy
-        context = reference.active(policy) if as_reference and reference is not None else _nothing()
+        context = reference.active(policy) if as_reference and reference is not None else contextlib.nullcontext()
         with context:
             gaps = [(self.logps(model, p, c) - torch.tensor(e)).abs() for p, c, e in
                     zip(prompts, completions, engine_logps) if c]
@@ -133,14 +134,6 @@ def qkv_gap(engine_weight, model) -> float:
     attention = getattr(model, "module", model).model.layers[0].self_attn
     hf = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
     return (engine_weight.float() - hf.float()).abs().max().item()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def engine_config(trainer):
@@ -354,11 +347,6 @@ def test_train_command_with_use_vllm_on_the_tiny_recipe(model_path, tmp_path):
 
 # --- scripts/gpu_check.py, as far as it runs on this engine ----------------------------------------------------------
 def test_gpu_checks_armor_run_trains_on_the_colocated_engine(model_path, tokenizer, tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    result = gpu_check.run("armor", model_path, tokenizer, steps=2, lora=False, vllm=True, output_root=str(tmp_path))
+    result = load_gpu_check().run("armor", model_path, tokenizer, steps=2, lora=False, vllm=True, output_root=str(tmp_path))
     assert result["run"] == "armor" and result["median_step_s"] > 0 and result["peak_gpu_gib"] > 0
     assert 0 <= result["anchor_found_frac"] <= 1

@@ -137,13 +137,9 @@ def test_anchor_candidates_come_from_the_reference_server_which_gets_weights_onl
 def test_gpu_checks_push_recorder_sees_the_pushes_at_the_resets(monkeypatch, tiny_model_path, tiny_tokenizer,
                                                                prompt_dataset, tmp_path):
     """scripts/gpu_check.py --reference_server's bookkeeping, on fake servers (it read a renamed attribute once)."""
-    import importlib.util
+    from testing import load_gpu_check
 
-    from testing import REPO
-
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_gpu_check()
     trainer, *_ = server_trainer(monkeypatch, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=5,
                                  ref_reset_steps=2, anchor_num_samples=2, anchor_same_call=False)
     pushes = gpu_check.record_reference_pushes(trainer)

@@ -155,6 +155,16 @@ def source_copy(tmp_path) -> Path:
     return src
 
 
+def load_gpu_check():
+    """scripts/gpu_check.py as a module (a script, not part of the package), for the parts that run without a GPU."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_parquet(path, rows):
     Dataset.from_list(rows).to_parquet(str(path))
     return str(path)
