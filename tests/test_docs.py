@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import fnmatch
 import re
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -174,18 +173,21 @@ def test_the_ddp_config_runs_as_its_header_says(tmp_path, tiny_model_path):
     assert "Recipe OK (dry run, no weights loaded)" in done.stdout
 
 
-def test_the_versions_the_readme_states_are_installed():
-    """README's "tested with ..." versions are those installed where the tests run, and its version ranges are
-    pyproject's."""
+def test_the_versions_the_readme_states_are_the_lock():
+    """README's "tested with ..." versions are those of the lock the tests install (requirements/dev.txt; whether
+    this venv holds the lock is tests/test_lock.py's question), the README names the lock and the drift check, and
+    its version ranges are pyproject's."""
     from packaging.version import Version
 
     readme = (REPO / "README.md").read_text()
     tested = re.search(r"tested\s+with\s+(.+?)\s+\(CPU\)", readme, flags=re.S)
     assert tested, "README states no 'tested with ... (CPU)' line"
     pairs = re.findall(r"([a-z][\w-]*) (\d+(?:\.\d+)+)", tested.group(1))
-    assert {name for name, _ in pairs} >= {"transformers", "peft", "accelerate", "datasets", "torch"}
+    assert {name for name, _ in pairs} >= {"trl", "transformers", "peft", "accelerate", "datasets", "torch"}
+    locked = dict(re.findall(r"^([A-Za-z0-9][\w.-]*)==(\S+)", (REPO / "requirements/dev.txt").read_text(), flags=re.M))
     for name, stated in pairs:
-        assert Version(version(name)).public == stated, f"README says {name} {stated}; installed: {version(name)}"
+        assert Version(locked[name]).public == stated, f"README says {name} {stated}; requirements/dev.txt: {locked[name]}"
+    assert "requirements/dev.txt" in readme and "make lock" in readme and "make test-latest" in readme
     pyproject = (REPO / "pyproject.toml").read_text()
     trl = re.search(r"`(trl>=[^`]+)`", readme).group(1)
     assert f'"{trl}"' in pyproject
