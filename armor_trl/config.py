@@ -239,6 +239,16 @@ class ArmorConfig(GRPOConfig):
             "the anchor into the group: G on-policy samples. The reviewers' 'gate without anchor' control."
         },
     )
+    anchor_mode_classifier: str | None = field(
+        default=None,
+        metadata={
+            "help": "A diagnostic: a mode classifier (completion text → mode label; a name of "
+            "armor_trl.modes.CLASSIFIERS such as 'arithmetic_carries', or 'pkg.module:function'). Each round logs the "
+            "modes' shares among the anchors and among the on-policy rows of the groups the gate kept "
+            "(armor/anchor_mode/<mode>, armor/policy_mode/<mode>), the kept anchors' count and mean advantage. "
+            "Training is unchanged. Default: off."
+        },
+    )
     off_policy_ratio: bool = field(
         default=False,
         metadata={
@@ -665,6 +675,10 @@ class ArmorConfig(GRPOConfig):
             if any(int(s) < 1 for s in self.ref_reset_at_steps):
                 raise ValueError(f"ref_reset_at_steps must hold positive optimizer steps, got {self.ref_reset_at_steps}.")
             self.ref_reset_at_steps = sorted({int(s) for s in self.ref_reset_at_steps})
+        if self.anchor_mode_classifier is not None:
+            from .modes import resolve_classifier
+
+            resolve_classifier(self.anchor_mode_classifier, "anchor_mode_classifier")  # fails here, naming the field
         self._check_collapse_guard()
         self._check_loop_fields()
         self._check_anchor_source()

@@ -287,7 +287,7 @@ def arithmetic_problems(n: int, seed: int | str = 0, digits: int = 2, exclude: s
 
 def arithmetic_splits(
     train_size: int, eval_size: int, seed: int = 0, digits: int = 2, chat: bool = False, system_prompt: str | None = None,
-    train_filter: str | None = None, eval_filter: str | None = None,
+    train_filter: str | None = None, eval_filter: str | None = None, train_carry_share: float | None = None,
 ) -> tuple[Dataset, Dataset]:
     """Disjoint train and held-out sets of the synthetic addition task, as ``prompt``/``answer`` datasets.
 
@@ -299,8 +299,7 @@ def arithmetic_splits(
         if value is not None and value not in ARITHMETIC_FILTERS:
             raise ValueError(f"Unknown {name} {value!r}: expected one of {sorted(ARITHMETIC_FILTERS)}.")
     held_out = arithmetic_problems(eval_size, seed, digits, keep=ARITHMETIC_FILTERS.get(eval_filter))
-    train = arithmetic_problems(train_size, f"{seed}-train", digits, exclude={p for p, _ in held_out},
-                                keep=ARITHMETIC_FILTERS.get(train_filter))
+    train = arithmetic_train_problems(train_size, seed, digits, held_out, train_filter, train_carry_share)
 
     def to_dataset(rows):
         return Dataset.from_dict(
@@ -308,3 +307,48 @@ def arithmetic_splits(
         )
 
     return to_dataset(train), to_dataset(held_out)
+
+
+def arithmetic_train_problems(train_size: int, seed: int, digits: int, held_out, train_filter: str | None = None,
+                              carry_share: float | None = None) -> list[tuple[str, str]]:
+    """The training problems of :func:`arithmetic_splits` (disjoint from ``held_out``).
+
+    With ``carry_share`` (the mode testbed's carry-mix variant) round(share × size) of them need a carry and the
+    rest pass ``train_filter``; each part is the prefix of its own fixed pool of ``train_size`` problems
+    (:func:`arithmetic_carry_mix_pools`), so every share draws from the same problems and a warm-up that reserves
+    both pools serves every share."""
+    if carry_share is None:
+        return arithmetic_problems(train_size, f"{seed}-train", digits, exclude={p for p, _ in held_out},
+                                   keep=ARITHMETIC_FILTERS.get(train_filter))
+    if not 0.0 <= carry_share <= 1.0:
+        raise ValueError(f"arithmetic_train_carry_share must lie in [0, 1], got {carry_share!r}.")
+    if train_filter == "carry":
+        raise ValueError("arithmetic_train_carry_share mixes carry problems into training problems of another kind: "
+                         "give arithmetic_train_filter 'no_carry' or 'no_units_carry' (or none), not 'carry'.")
+    rest, carry = arithmetic_carry_mix_pools(train_size, seed, digits, held_out, train_filter)
+    n_carry = round(carry_share * train_size)
+    # interleaved so that any prefix (max_train_samples) keeps about the share
+    mixed = sorted([((i + 0.5) / n_carry, 0, row) for i, row in enumerate(carry[:n_carry])]
+                   + [((i + 0.5) / (train_size - n_carry), 1, row) for i, row in enumerate(rest[: train_size - n_carry])])
+    return [row for *_, row in mixed]
+
+
+def arithmetic_prompt_has_carry(prompt) -> bool:
+    """Whether the addition problem ``a+b=`` in a prompt (text or chat messages, as :func:`format_prompt` writes it)
+    needs a carry."""
+    text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+    match = re.search(r"(\d+)\+(\d+)=", text)
+    if match is None:
+        raise ValueError(f"not an addition prompt 'a+b=': {text!r}")
+    return has_carry(int(match.group(1)), int(match.group(2)))
+
+
+def arithmetic_carry_mix_pools(train_size: int, seed: int, digits: int, held_out, train_filter: str | None = None):
+    """(problems passing ``train_filter``, problems with a carry): ``train_size`` each, disjoint from each other and
+    from ``held_out``, deterministic for ``seed``."""
+    exclude = {p for p, _ in held_out}
+    rest = arithmetic_problems(train_size, f"{seed}-train", digits, exclude=exclude,
+                               keep=ARITHMETIC_FILTERS.get(train_filter))
+    carry = arithmetic_problems(train_size, f"{seed}-train-carry", digits, exclude=exclude | {p for p, _ in rest},
+                                keep=has_carry)
+    return rest, carry

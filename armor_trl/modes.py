@@ -98,19 +98,19 @@ def max_completion_chars(digits: int) -> int:
 CLASSIFIERS: dict[str, Callable[[str], str]] = {"arithmetic": classify, "arithmetic_carries": classify_carries}
 
 
-def resolve_classifier(name: str) -> Callable[[str], str]:
+def resolve_classifier(name: str, field: str = "val_mode_classifier") -> Callable[[str], str]:
     """A mode classifier (completion text → mode label) by registered name (:data:`CLASSIFIERS`) or import path
-    ``pkg.mod:func``."""
+    ``pkg.mod:func``; errors name ``field``, the setting that gave ``name``."""
     if name in CLASSIFIERS:
         return CLASSIFIERS[name]
     module_name, _, attr = name.partition(":")
     if not attr:
-        raise ValueError(f"Unknown val_mode_classifier {name!r}: expected one of {sorted(CLASSIFIERS)} or an import "
+        raise ValueError(f"Unknown {field} {name!r}: expected one of {sorted(CLASSIFIERS)} or an import "
                          "path 'pkg.module:function'.")
     try:
         function = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as error:
-        raise ValueError(f"Could not load val_mode_classifier {name!r}: {error}") from error
+        raise ValueError(f"Could not load {field} {name!r}: {error}") from error
     if not callable(function):
-        raise ValueError(f"val_mode_classifier {name!r} is not callable.")
+        raise ValueError(f"{field} {name!r} is not callable.")
     return function

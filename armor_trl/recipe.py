@@ -61,6 +61,12 @@ class DataArguments:
         default=None, metadata={"help": "dataset 'arithmetic': restrict the held-out problems only; 'carry' = some "
                                 "column carries (the mode testbed's held-out set). Default: unrestricted."},
     )
+    arithmetic_train_carry_share: float | None = field(
+        default=None, metadata={"help": "dataset 'arithmetic': this share of the training problems needs a carry, "
+                                "the rest follows arithmetic_train_filter (the mode testbed's carry-mix variant). "
+                                "Validate on those carry problems with the val_datasets source "
+                                "'arithmetic:train_carry'. Default: none mixed in."},
+    )
 
 
 @dataclass
@@ -644,25 +650,34 @@ def resolve_resume_from_checkpoint(value, output_dir: str) -> bool | str | None:
 
 
 # --- building a run --------------------------------------------------------------------------------------------
-# A val_datasets source: the arithmetic task's training problems (to watch them next to the held-out ones).
+# val_datasets sources: the arithmetic task's training problems (to watch them next to the held-out ones), and
+# those of them that need a carry (with arithmetic_train_carry_share)
 ARITHMETIC_TRAIN = "arithmetic:train"
+ARITHMETIC_TRAIN_CARRY = "arithmetic:train_carry"
 
 
 def load_datasets(args: DataArguments, train_source: str | None, eval_source: str | None, train_split: str,
                   eval_split: str | None, name: str | None = None, max_train: int | None = None,
                   max_eval: int | None = None):
     """(train, held-out) datasets with ``prompt``/``answer``; either is None when its source is None."""
-    from .datasets import arithmetic_splits, load_rlvr_dataset
+    from .datasets import arithmetic_prompt_has_carry, arithmetic_splits, load_rlvr_dataset
 
     def load(source, split, limit):
         if source is None:
             return None
-        if source in ("arithmetic", ARITHMETIC_TRAIN):
+        if source in ("arithmetic", ARITHMETIC_TRAIN, ARITHMETIC_TRAIN_CARRY):
             train, held_out = arithmetic_splits(args.arithmetic_train_size, args.arithmetic_eval_size,
                                                 args.arithmetic_seed, args.arithmetic_digits, args.chat,
                                                 args.system_prompt, args.arithmetic_train_filter,
-                                                args.arithmetic_eval_filter)
-            dataset = train if split == "train" or source == ARITHMETIC_TRAIN else held_out
+                                                args.arithmetic_eval_filter, args.arithmetic_train_carry_share)
+            dataset = train if split == "train" or source != "arithmetic" else held_out
+            if source == ARITHMETIC_TRAIN_CARRY:
+                dataset = dataset.filter(lambda row: arithmetic_prompt_has_carry(row["prompt"]))
+                if len(dataset) == 0:
+                    raise ValueError(f"val_datasets source {ARITHMETIC_TRAIN_CARRY!r}: no training problem needs a carry "
+                                     f"(arithmetic_train_carry_share {args.arithmetic_train_carry_share!r} of "
+                                     f"arithmetic_train_size {args.arithmetic_train_size}); give a share that leaves "
+                                     "at least one.")
             return dataset.select(range(min(limit, len(dataset)))) if limit else dataset
         return load_rlvr_dataset(source, split=split, name=name, schema=args.dataset_schema, chat=args.chat,
                                  system_prompt=args.system_prompt, instruction=args.instruction, limit=limit)

@@ -91,7 +91,7 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..datasets import ARITHMETIC_FILTERS, arithmetic_problems, arithmetic_splits
+    from ..datasets import ARITHMETIC_FILTERS, arithmetic_carry_mix_pools, arithmetic_problems, arithmetic_splits
     from ..evaluation import evaluate
     from ..modes import classify, max_completion_chars, mode_text, parse_problem
     from ..rewards import exact_integer_reward, final_integer_reward
@@ -104,6 +104,9 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     for name in ("arithmetic_train_filter", "arithmetic_eval_filter"):
         if recipe.get(name):  # only when set, so earlier cached checkpoints keep their keys
             task[name] = recipe[name]
+    if recipe.get("arithmetic_train_carry_share") is not None:
+        # the carry-mix variant: the warm-up reserves both training pools, so one warm checkpoint serves every share
+        task["arithmetic_train_carry_pools"] = True
     key = json.dumps({"model": settings["tiny_model"], "warmup": warm, "task": task}, sort_keys=True)
     path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (path / "warmup.json").is_file():
@@ -116,6 +119,11 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
                                            train_filter=task.get("arithmetic_train_filter"),
                                            eval_filter=task.get("arithmetic_eval_filter"))
     reserved = set(rl_train["prompt"]) | set(held_out["prompt"])
+    if task.get("arithmetic_train_carry_pools"):
+        pools = arithmetic_carry_mix_pools(task["arithmetic_train_size"], task["arithmetic_seed"],
+                                           task["arithmetic_digits"], [(p, None) for p in held_out["prompt"]],
+                                           task.get("arithmetic_train_filter"))
+        reserved |= {p for pool in pools for p, _ in pool}
     # the draw is sequential, so the first num_problems are the same with or without the calibration problems
     problems = arithmetic_problems(warm["num_problems"] + (0 if mix else warm["calibration_size"]), warm["seed"],
                                    task["arithmetic_digits"], exclude=reserved)
@@ -268,6 +276,16 @@ def series(records: list[dict], *keys: str) -> list[tuple[int, float]]:
     return out
 
 
+def named_set_modes(records: list[dict], keys: list[str]) -> dict:
+    """{set name: {mode: series}} of the named validation sets' mode shares (``val/<set>/mode/<mode>``)."""
+    sets = {}
+    for key in keys:
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "val" and parts[2] == "mode":
+            sets.setdefault(parts[1], {})[parts[3]] = series(records, key)
+    return sets
+
+
 def read_curves(metrics_file: Path) -> dict:
     """Validation accuracy (the held-out set's avg@k), on-policy training reward and the KL metrics of one run.
 
@@ -295,6 +313,17 @@ def read_curves(metrics_file: Path) -> dict:
         "kl_reverse_start": series(records, "val/kl_reverse_start"),
         "kl_forward_start": series(records, "val/kl_forward_start"),
         "modes": {k.removeprefix("val/mode/"): series(records, k) for k in keys if k.startswith("val/mode/")},
+        # the named val_datasets' mode shares ({set: {mode: series}}, e.g. train_carry's), and the anchor mode
+        # diagnostic (anchor_mode_classifier): the modes of the anchors and of the on-policy rows in the kept groups
+        "set_modes": named_set_modes(records, keys),
+        "set_val": {k.split("/")[1]: series(records, k) for k in keys
+                    if k.count("/") == 2 and k.startswith("val/") and k.split("/")[2].startswith("avg@")},
+        "anchor_modes": {k.removeprefix("armor/anchor_mode/"): series(records, k) for k in keys
+                         if k.startswith("armor/anchor_mode/")},
+        "policy_modes": {k.removeprefix("armor/policy_mode/"): series(records, k) for k in keys
+                         if k.startswith("armor/policy_mode/")},
+        "anchors_kept": series(records, "armor/anchors_kept"),
+        "kept_anchor_advantage": series(records, "armor/kept_anchor_advantage_mean"),
         "pass": {int(k.removeprefix("val/pass@")): series(records, k) for k in keys
                  if k.startswith("val/pass@") and k.removeprefix("val/pass@").isdigit()},
     }

@@ -89,6 +89,33 @@ def mode_criterion(runs: dict, general_mode: str, min_collapsed: int, min_warm_c
             "met": met >= min_warm_checkpoints if judged else None}
 
 
+def carry_mix_criterion(runs: dict, val_drop: float = 0.05, mode_drop: float = 0.10, min_warm_checkpoints: int = 2,
+                        mode_set: str = "train_carry", general_mode: str = "carrying") -> dict:
+    """The carry-mix variant's plain-GRPO criterion (docs/preregistration/mode_testbed_carry_mix.md) on ``runs``
+    (warm checkpoint → seed → curves as :func:`armor_trl.experiments.runner.read_curves` gives them). Per warm
+    checkpoint, on the means over its runs (first vs last validation): the held-out accuracy falls by at least
+    ``val_drop`` and ``general_mode``'s share on the validation set ``mode_set`` falls by at least ``mode_drop``;
+    ``met`` overall when both hold on at least ``min_warm_checkpoints`` warm checkpoints."""
+    per_warm = {}
+    for warm, seeds in runs.items():
+        shares = [c.get("set_modes", {}).get(mode_set, {}).get(general_mode) or [] for c in seeds.values()]
+        if any(not curve for curve in shares):
+            raise ValueError(f"carry-mix criterion: a run of warm checkpoint {warm} logged no share of mode "
+                             f"{general_mode!r} on validation set {mode_set!r} (val/{mode_set}/mode/{general_mode}).")
+        val_start = statistics.fmean(c["val"][0][1] for c in seeds.values())
+        val_end = statistics.fmean(c["val"][-1][1] for c in seeds.values())
+        share_start = statistics.fmean(curve[0][1] for curve in shares)
+        share_end = statistics.fmean(curve[-1][1] for curve in shares)
+        val_falls, share_falls = val_end <= val_start - val_drop, share_end <= share_start - mode_drop
+        per_warm[warm] = {"runs": len(shares), "val_start": val_start, "val_end": val_end, "share_start": share_start,
+                          "share_end": share_end, "val_falls": val_falls, "share_falls": share_falls,
+                          "met": val_falls and share_falls}
+    met = sum(w["met"] for w in per_warm.values())
+    return {"val_drop": val_drop, "mode_drop": mode_drop, "mode_set": mode_set, "general_mode": general_mode,
+            "min_warm_checkpoints": min_warm_checkpoints, "per_warm": per_warm, "warm_checkpoints_met": met,
+            "met": met >= min_warm_checkpoints if len(per_warm) >= min_warm_checkpoints else None}
+
+
 def reference_accuracy(val: list[tuple[int, float]], weights_steps: list[tuple[int, float]]) -> dict:
     """The validation accuracy of π_ref itself over a run: π_ref holds the policy weights of some earlier step (the
     start, a reset, a rolled-back checkpoint), so its accuracy is the policy's validation at that step — the same
