@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
+from accelerate.utils import gather_object
 from transformers.utils import logging
 
 from . import trl_seam as seam
+from .loss_rows import KEPT_ROWS
 from .mixture import clip_masks, importance_ratio, k3_kl, mixed_ratio
 
 logger = logging.get_logger(__name__)
@@ -131,6 +133,29 @@ class ArmorMetrics:
         for index, kind in enumerate(("policy", "anchor")):
             self.log(f"armor/{kind}_length_mean", share(sums[index], sums[4 + index]))
             self.log(f"armor/{kind}_advantage_mean", share(sums[2 + index], sums[4 + index]))
+
+    def anchor_modes(self, output: dict, is_anchor: torch.Tensor, classifier) -> None:
+        """The anchor mode diagnostic (``anchor_mode_classifier``): each mode's share among the anchors and among the
+        on-policy rows of the groups the gate kept (``armor/anchor_mode/<mode>``, ``armor/policy_mode/<mode>``), how
+        many anchors are in the kept groups (``armor/anchors_kept``, all processes) and their mean advantage
+        (``armor/kept_anchor_advantage_mean``; an anchor whose group all solved the prompt gets 0: it moves nothing)."""
+        trainer = self.trainer
+        kept = output.get(KEPT_ROWS)
+        kept = torch.ones_like(is_anchor) if kept is None else kept.to(is_anchor.device)
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        ids = output["completion_ids"].masked_fill(output["completion_mask"] == 0, tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        local = [(bool(a), classifier(text)) for a, k, text in zip(is_anchor.tolist(), kept.tolist(), texts) if k]
+        rows = [row for part in gather_object([local]) for row in part]  # every process's rows
+        for kind, anchor in (("anchor", True), ("policy", False)):
+            modes = [mode for is_anchor_row, mode in rows if is_anchor_row == anchor]
+            for mode in sorted(set(modes)):
+                self.log(f"armor/{kind}_mode/{mode}", modes.count(mode) / len(modes))
+        advantages = output["advantages"].to(is_anchor.device)
+        kept_anchors = is_anchor & kept
+        count, total = self._sums([kept_anchors.sum(), (advantages * kept_anchors).sum()])
+        self.log("armor/anchors_kept", count)
+        self.log("armor/kept_anchor_advantage_mean", share(total, count))
 
     @torch.no_grad()
     def loss_ratios(self, inputs, logps, entropies, ref_logps, alpha, epsilon_low, epsilon_high,

@@ -37,6 +37,7 @@ from .config import ArmorConfig
 from .dynamic_sampling import DynamicSampling, advantages_across_processes
 from .loss_rows import over_kept_rows
 from .mixture import mixed_logprobs
+from .modes import resolve_classifier
 from .reference import ReferenceResetCallback, build_reference, copy_model_for_reference
 from .reward_checks import checked
 from .rewards import math_verify_reward, verifier_timeouts
@@ -320,6 +321,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
         output["advantages"] = advantages
         if self.anchor_rollout is not None and self.anchor_rollout.slots_per_group:
             self.armor_metrics.rows_by_type(output, is_anchor)
+            if self.args.anchor_mode_classifier is not None:
+                self.armor_metrics.anchor_modes(output, is_anchor, resolve_classifier(self.args.anchor_mode_classifier))
 
     # --- mixed optimization ----------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):

@@ -114,3 +114,62 @@ def test_the_mixed_ratio_leaves_one_from_the_second_mini_batch_of_a_rollout_batc
     assert deviation[0] < 1e-5  # the first mini-batch: π_θ = π_old (up to the batching of the forward passes)
     assert min(deviation[1:]) > 1e-3  # the policy has moved away from π_old within the rollout batch
     assert all(value > 1e-3 for value in logged(trainer, "armor/policy_abs_ratio_dev_max")[1:])
+
+
+# --- the anchor mode diagnostic (anchor_mode_classifier) -------------------------------------------------------
+def first_letter(text: str) -> str:
+    return text[:1] or "empty"
+
+
+def test_anchor_modes_count_the_kept_rows_of_each_type(tiny_tokenizer):
+    """Shares over the kept rows only (a dropped group's rows and empty slots never count), anchors apart from
+    on-policy rows; the kept anchors' count and mean advantage."""
+    from armor_trl.loss_rows import KEPT_ROWS
+
+    texts = ["ab", "ac", "bd", "ae",   # group 0: three on-policy rows, anchor "ae" (row 3)
+             "bb", "bc", "ad", "be",   # group 1: kept too, anchor "be"
+             "cc", "cd", "ce", "cf"]   # group 2: dropped by the gate (anchor "cf" never counts)
+    ids = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, ids))
+    pad = tiny_tokenizer.pad_token_id
+    output = {
+        "completion_ids": torch.tensor([row + [pad] * (width - len(row)) for row in ids]),
+        "completion_mask": torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids]),
+        "advantages": torch.tensor([0.5, -0.5, 0.0, 1.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]),
+        KEPT_ROWS: torch.tensor([True] * 8 + [False] * 4),
+    }
+    is_anchor = torch.tensor([False, False, False, True] * 3)
+    trainer = SimpleNamespace(accelerator=OneProcess(), _metrics={"train": defaultdict(list)},
+                              processing_class=tiny_tokenizer)
+    ArmorMetrics(trainer).anchor_modes(output, is_anchor, first_letter)
+    got = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    assert got["armor/anchor_mode/a"] == 0.5 and got["armor/anchor_mode/b"] == 0.5
+    assert got["armor/policy_mode/a"] == 3 / 6 and got["armor/policy_mode/b"] == 3 / 6
+    assert not any(name.endswith("/c") for name in got)  # the dropped group's modes
+    assert got["armor/anchors_kept"] == 2
+    assert got["armor/kept_anchor_advantage_mean"] == 0.75
+
+
+def test_anchor_modes_are_logged_in_training(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    """The trainer calls the diagnostic every round when anchor_mode_classifier is set (and not otherwise)."""
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2,
+                           anchor_mode_classifier="test_armor_metrics:first_letter")
+    trainer.train()
+    policy = {k: v for h in trainer.state.log_history for k, v in h.items() if k.startswith("armor/policy_mode/")}
+    assert policy and all(0.0 <= v <= 1.0 for v in policy.values())
+    kept = logged(trainer, "armor/anchors_kept")
+    assert kept
+    anchors = [k for h in trainer.state.log_history for k in h if k.startswith("armor/anchor_mode/")]
+    assert bool(anchors) == (max(kept) > 0)
+    plain = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "off", max_steps=1)
+    plain.train()
+    assert not logged(plain, "armor/anchors_kept")
+
+
+def test_anchor_mode_classifier_is_checked_at_construction(tmp_path):
+    import pytest
+
+    from armor_trl import ArmorConfig
+
+    with pytest.raises(ValueError, match="anchor_mode_classifier 'no_such_mode'"):
+        ArmorConfig(output_dir=str(tmp_path), anchor_mode_classifier="no_such_mode", report_to="none", use_cpu=True)

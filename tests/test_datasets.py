@@ -333,3 +333,53 @@ def test_arithmetic_train_filter_from_a_recipe(tiny_model_path):
     train, held_out = train_datasets(script_args)
     assert len(train) == 128 and len(held_out) == 1000
     assert all(int(answer) < 100 for answer in train["answer"])
+
+
+# --- the carry-mix variant (arithmetic_train_carry_share) --------------------------------------------------------
+def test_carry_share_mixes_that_many_carry_problems_from_fixed_pools():
+    from armor_trl.datasets import arithmetic_prompt_has_carry, arithmetic_splits
+
+    plain, held_out = arithmetic_splits(64, 100, seed=1, digits=3, train_filter="no_carry", eval_filter="carry")
+    sets = {}
+    for share in (0.0, 0.05, 0.2, 0.3):
+        train, mixed_held_out = arithmetic_splits(64, 100, seed=1, digits=3, train_filter="no_carry",
+                                                  eval_filter="carry", train_carry_share=share)
+        assert mixed_held_out["prompt"] == held_out["prompt"]  # the held-out set does not move
+        carry = [p for p in train["prompt"] if arithmetic_prompt_has_carry(p)]
+        assert len(train) == 64 and len(set(train["prompt"])) == 64
+        assert len(carry) == round(share * 64)
+        assert not set(train["prompt"]) & set(held_out["prompt"])
+        sets[share] = (set(carry), set(train["prompt"]) - set(carry))
+    assert sets[0.0][1] == set(plain["prompt"])  # share 0 is the plain no-carry training set
+    # a larger share extends a smaller one's carry problems and keeps a prefix of its no-carry ones
+    assert sets[0.05][0] <= sets[0.2][0] <= sets[0.3][0]
+    assert sets[0.3][1] <= sets[0.2][1] <= sets[0.05][1]
+    # interleaved: any prefix keeps about the share
+    train, _ = arithmetic_splits(64, 100, seed=1, digits=3, train_filter="no_carry", eval_filter="carry",
+                                 train_carry_share=0.25)
+    assert sum(arithmetic_prompt_has_carry(p) for p in train["prompt"][:32]) == 8
+
+
+def test_carry_share_rejects_bad_values():
+    from armor_trl.datasets import arithmetic_splits
+
+    with pytest.raises(ValueError, match=r"arithmetic_train_carry_share must lie in \[0, 1\]"):
+        arithmetic_splits(64, 10, digits=3, train_filter="no_carry", train_carry_share=1.5)
+    with pytest.raises(ValueError, match="not 'carry'"):
+        arithmetic_splits(64, 10, digits=3, train_filter="carry", train_carry_share=0.2)
+
+
+def test_train_carry_validation_source_holds_the_training_carry_problems():
+    from armor_trl.datasets import arithmetic_prompt_has_carry
+    from armor_trl.recipe import DataArguments, load_datasets
+
+    args = DataArguments(arithmetic_digits=3, arithmetic_train_size=64,
+                         arithmetic_eval_size=20, arithmetic_train_filter="no_carry", arithmetic_eval_filter="carry",
+                         arithmetic_train_carry_share=0.2)
+    train, _ = load_datasets(args, "arithmetic", None, "train", None)
+    _, carry = load_datasets(args, None, "arithmetic:train_carry", "train", None)
+    assert set(carry["prompt"]) == {p for p in train["prompt"] if arithmetic_prompt_has_carry(p)}
+    assert len(carry) == 13
+    args.arithmetic_train_carry_share = 0.0
+    with pytest.raises(ValueError, match="no training problem needs a carry"):
+        load_datasets(args, None, "arithmetic:train_carry", "train", None)

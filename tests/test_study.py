@@ -446,8 +446,15 @@ def test_mode_testbed_smoke_study_reports_modes_start_kl_and_pass_at_start_peak_
     for png in ("modes.png", "start_kl.png", "curves.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     points = summary["at_points"]["grpo"]
-    assert {f"pass@{j}" for j in (1, 2, 4, 8, 16)} | {"mode/carrying", "mode/worked", "mode/direct", "mode/other"} \
-        == set(points)
+    held_out = {f"pass@{j}" for j in (1, 2, 4, 8, 16)} | {"mode/carrying", "mode/worked", "mode/direct", "mode/other"}
+    assert held_out <= set(points) and all(name.startswith("train/mode/") for name in set(points) - held_out)
+    assert "train/mode/worked" in points  # the training problems' modes (val_datasets train=arithmetic:train)
+    # the anchor mode diagnostic (anchor_mode_classifier) of the ARMOR arm, its table and plot
+    diagnostic = summary["anchor_diagnostic"]
+    assert set(diagnostic) == {"armor"} and diagnostic["armor"]["runs"] == 1
+    logged_modes = diagnostic["armor"]["anchor_modes"]  # none when the gate kept no group (smoke: no anchor found)
+    assert (out / "anchor_modes.png").is_file() == bool(logged_modes)
+    assert "## Anchor mode diagnostic" in (out / "summary.md").read_text()
     records = [json.loads(line) for line in (out / "metrics" / "grpo-seed0.jsonl").read_text().splitlines()]
     validations = [r for r in records if "val/avg@16" in r]
     assert points["pass@16"]["start"] == pytest.approx(validations[0]["val/pass@16"])

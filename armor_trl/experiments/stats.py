@@ -116,6 +116,65 @@ def carry_mix_criterion(runs: dict, val_drop: float = 0.05, mode_drop: float = 0
             "met": met >= min_warm_checkpoints if len(per_warm) >= min_warm_checkpoints else None}
 
 
+def final_mode_shares(curves: dict, mode: str) -> dict:
+    """``mode``'s share at the run's last validation on each validation set that logged it: ``{"held-out": share,
+    "<set>": share}`` (the held-out set's ``val/mode/<mode>``, a named set's ``val/<set>/mode/<mode>``)."""
+    shares = {}
+    if curves.get("modes", {}).get(mode):
+        shares["held-out"] = curves["modes"][mode][-1][1]
+    for name, modes in (curves.get("set_modes") or {}).items():
+        if modes.get(mode):
+            shares[name] = modes[mode][-1][1]
+    return shares
+
+
+def mode_share_comparison(arm: dict, base: dict, mode: str, resamples: int = 10_000, seed: int = 0) -> dict:
+    """``arm − base`` of ``mode``'s final share on each validation set (:func:`final_mode_shares`), paired by (warm
+    checkpoint, seed): ``arm`` and ``base`` map warm checkpoint → seed → curves. Per set: :func:`hierarchical_summary`
+    of the differences and its verdict."""
+    diffs: dict[str, dict] = {}
+    for warm in sorted(set(arm) & set(base)):
+        for run_seed in sorted(set(arm[warm]) & set(base[warm])):
+            a, b = final_mode_shares(arm[warm][run_seed], mode), final_mode_shares(base[warm][run_seed], mode)
+            for name in a.keys() & b.keys():
+                diffs.setdefault(name, {}).setdefault(warm, []).append(a[name] - b[name])
+    out = {}
+    for name, groups in diffs.items():
+        result = hierarchical_summary(groups, resamples, seed)
+        out[name] = {"diffs": groups, **result, "verdict": verdict(result["ci"])}
+    return out
+
+
+def anchor_diagnostic(runs: list[dict]) -> dict | None:
+    """The anchor mode diagnostic of an arm's runs (curves as read_curves gives them): per mode, the mean over runs
+    of each run's mean share among the kept anchors and among the kept on-policy rows; the mean count of kept
+    anchors per logged step and their mean advantage. None when the runs logged no diagnostic."""
+    runs = [c for c in runs if c.get("anchors_kept")]
+    if not runs:
+        return None
+
+    def run_mean(curve):
+        return statistics.fmean(v for _, v in curve) if curve else None
+
+    def over_runs(values):
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else None
+
+    def share_mean(series_by_mode: dict, mode: str):
+        # over the logged steps of any mode: a mode not logged at such a step had no row there (share 0)
+        steps = {step for curve in series_by_mode.values() for step, _ in curve}
+        return sum(v for _, v in series_by_mode.get(mode, [])) / len(steps) if steps else None
+
+    modes = sorted({m for c in runs for m in (*c.get("anchor_modes", {}), *c.get("policy_modes", {}))})
+    return {
+        "runs": len(runs),
+        "anchor_modes": {m: over_runs(share_mean(c.get("anchor_modes", {}), m) for c in runs) for m in modes},
+        "policy_modes": {m: over_runs(share_mean(c.get("policy_modes", {}), m) for c in runs) for m in modes},
+        "anchors_kept": over_runs(run_mean(c["anchors_kept"]) for c in runs),
+        "kept_anchor_advantage": over_runs(run_mean(c.get("kept_anchor_advantage")) for c in runs),
+    }
+
+
 def reference_accuracy(val: list[tuple[int, float]], weights_steps: list[tuple[int, float]]) -> dict:
     """The validation accuracy of π_ref itself over a run: π_ref holds the policy weights of some earlier step (the
     start, a reset, a rolled-back checkpoint), so its accuracy is the policy's validation at that step — the same

@@ -41,7 +41,8 @@ CONFIGS = next((path for path in (Path(__file__).resolve().parents[2] / "configs
 DEFAULT_CONFIG = CONFIGS / "tiny_demo.yaml"
 DEFAULT_ARMS_FILE = CONFIGS / "study" / "arms.yaml"
 BASELINES = ("grpo", "grpo_small_lr")  # default: every other arm is compared with these, where they ran
-STUDY_KEYS = ("arms", "default_arms", "seeds", "warmup_seeds", "tuning_seeds", "primary", "select", "criterion")
+STUDY_KEYS = ("arms", "default_arms", "seeds", "warmup_seeds", "tuning_seeds", "primary", "secondary", "select",
+              "criterion", "mechanism_mode")
 CRITERION_KEYS = ("arm", "general_mode", "min_collapsed", "min_warm_checkpoints")  # `study: criterion:`
 DEFAULT_SEEDS = 3
 SELECT_METRIC = "final"  # a select: alias picks the arm with the best mean of this on the tuning seeds
@@ -349,6 +350,13 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
         primary = [pair for pair in section.get("primary") or []
                    if not isinstance(pair, (list, tuple)) or all(arm in names for arm in pair)]
     primary = load_primary(primary, names)
+    # secondary comparisons (reported like the primary ones, after them) and the mode whose final share every
+    # comparison also reports (study.mechanism_mode: the general method's mode); those whose arms all run
+    secondary = load_primary([pair for pair in section.get("secondary") or []
+                              if not isinstance(pair, (list, tuple)) or all(arm in names for arm in pair)], names)
+    mechanism_mode = section.get("mechanism_mode")
+    if mechanism_mode is not None and not isinstance(mechanism_mode, str):
+        raise ValueError(f"study.mechanism_mode must be a mode name (a string), got {mechanism_mode!r}.")
     seeds = seeds if seeds is not None else section.get("seeds", DEFAULT_SEEDS)
     if not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"--seeds must be an integer >= 1, got {seeds!r}")
@@ -429,7 +437,8 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
     count, workers = run_jobs(report_jobs, workers, "study runs")
     curves = {w: {name: {seed: read_curves(metrics_path(out, arm, seed, tag(w))) for seed in seed_list}
                   for name, arm in ran.items()} for w in models}
-    summary = summarize_study(curves, resamples, BASELINES if baselines is None else baselines, primary)
+    summary = summarize_study(curves, resamples, BASELINES if baselines is None else baselines, primary, secondary,
+                              mechanism_mode)
     if criterion and criterion["arm"] in ran:
         summary["criterion"] = {"arm": criterion["arm"], **stats.mode_criterion(
             {w: curves[w][criterion["arm"]] for w in curves}, criterion["general_mode"], criterion["min_collapsed"],
@@ -456,10 +465,13 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
 
 
 # --- the summary -------------------------------------------------------------------------------------------------
-def summarize_study(curves: dict, resamples: int = 10_000, baselines=BASELINES, primary=()) -> dict:
+def summarize_study(curves: dict, resamples: int = 10_000, baselines=BASELINES, primary=(), secondary=(),
+                    mechanism_mode: str | None = None) -> dict:
     """``curves``: warm checkpoint → arm → seed → curves. One warm checkpoint: :func:`summarize` (today's numbers);
-    several: :func:`summarize_warms`. ``primary``: [[arm, baseline], ...], each compared on :data:`.stats.PRIMARY`
-    the same way, listed under ``primary``."""
+    several: :func:`summarize_warms`. ``primary`` and ``secondary``: [[arm, baseline], ...], each compared on
+    :data:`.stats.PRIMARY` the same way, listed under their names; with ``mechanism_mode`` each of them also compares
+    that mode's final share on every validation set (``mechanism``). ``anchor_diagnostic``: per arm that logged it
+    (``anchor_mode_classifier``), :func:`.stats.anchor_diagnostic` over all its runs."""
     warms = list(curves)
     if len(warms) == 1:
         summary = summarize(curves[warms[0]], resamples, baselines)
@@ -468,11 +480,19 @@ def summarize_study(curves: dict, resamples: int = 10_000, baselines=BASELINES, 
         summary = summarize_warms(curves, resamples, baselines)
         compare = lambda a, b: stats.hierarchical_comparison(  # noqa: E731
             {w: curves[w][a] for w in warms}, {w: curves[w][b] for w in warms}, resamples)
-    summary["primary"] = []
-    for arm, base in primary:
-        result = compare(arm, base)
-        summary["primary"].append({"arm": arm, "baseline": base,
-                                   "metrics": {m: result["metrics"][m] for m in stats.PRIMARY}})
+    for name, pairs in (("primary", primary), ("secondary", secondary)):
+        summary[name] = []
+        for arm, base in pairs:
+            result = compare(arm, base)
+            summary[name].append({"arm": arm, "baseline": base,
+                                  "metrics": {m: result["metrics"][m] for m in stats.PRIMARY}})
+    summary["mechanism"] = [
+        {"arm": arm, "baseline": base, "mode": mechanism_mode, "sets": stats.mode_share_comparison(
+            {w: curves[w][arm] for w in warms}, {w: curves[w][base] for w in warms}, mechanism_mode, resamples)}
+        for arm, base in (*primary, *secondary)] if mechanism_mode else []
+    diagnostic = {arm: stats.anchor_diagnostic([c for w in warms for c in curves[w][arm].values()])
+                  for arm in curves[warms[0]]}
+    summary["anchor_diagnostic"] = {arm: d for arm, d in diagnostic.items() if d is not None}
     return summary
 
 
@@ -558,7 +578,9 @@ def at_points(curves: dict) -> dict:
             values = [v for _, v in c["val"]]
             steps = {"start": c["val"][0][0], "peak": c["val"][values.index(max(values))][0], "end": c["val"][-1][0]}
             named = {**{f"pass@{j}": s for j, s in sorted(c.get("pass", {}).items())},
-                     **{f"mode/{m}": s for m, s in c.get("modes", {}).items()}}
+                     **{f"mode/{m}": s for m, s in c.get("modes", {}).items()},
+                     **{f"{name}/mode/{m}": s for name, modes in (c.get("set_modes") or {}).items()
+                        for m, s in modes.items()}}
             for name, curve in named.items():
                 by_step = dict(curve)
                 for point, step in steps.items():
@@ -656,10 +678,38 @@ def format_summary(summary: dict) -> str:
                                                         "seeds | ") + "verdict |",
               "|---|---|---|---|---|" + ("---|---|" if multi else "") + "---|"]
     pairing = "same warm checkpoint and seed" if multi else "same seed"
-    if summary.get("primary"):
-        lines += ["", f"## Primary comparisons ({pairing}, shared validation steps)", "", *header]
-        for entry in summary["primary"]:
-            lines += _comparison_rows(f"{entry['arm']} − {entry['baseline']}", entry, stats.PRIMARY, multi)
+    for name in ("primary", "secondary"):
+        if summary.get(name):
+            lines += ["", f"## {name.capitalize()} comparisons ({pairing}, shared validation steps)", "", *header]
+            for entry in summary[name]:
+                lines += _comparison_rows(f"{entry['arm']} − {entry['baseline']}", entry, stats.PRIMARY, multi)
+    if summary.get("mechanism"):
+        mode = summary["mechanism"][0]["mode"]
+        lines += ["", f"## The general mode's final share: `{mode}` at the last validation, per validation set "
+                  f"({pairing})", "", "| arm | validation set | mean diff | 95% CI | runs | " + (
+                      "per warm | sign on every warm | " if multi else "") + "verdict |",
+                  "|---|---|---|---|---|" + ("---|---|" if multi else "") + "---|"]
+        for entry in summary["mechanism"]:
+            for set_name, result in sorted(entry["sets"].items()):
+                cells = [f"{entry['arm']} − {entry['baseline']}", set_name, f"{result['mean']:+.3f}",
+                         _ci_text(result), str(result["n"])]
+                if multi:
+                    agree = result["sign_holds_on_every_warm"]
+                    cells += [" / ".join(f"{v:+.3f}" for v in result["per_warm"].values()) or "–",
+                              "–" if agree is None else ("yes" if agree else "no")]
+                lines.append("| " + " | ".join(cells + [result["verdict"]]) + " |")
+    if summary.get("anchor_diagnostic"):
+        modes = list(dict.fromkeys(m for d in summary["anchor_diagnostic"].values() for m in d["anchor_modes"]))
+        lines += ["", "## Anchor mode diagnostic (anchor_mode_classifier): each mode's share among the anchors / among "
+                  "the on-policy rows of the groups the gate kept (mean over rounds, then runs); kept anchors per "
+                  "logged step and their mean advantage", "",
+                  "| arm | runs | " + " | ".join(f"{m}: anchors / on-policy" for m in modes)
+                  + " | kept anchors per log | kept anchors' advantage |", "|" + "---|" * (len(modes) + 4)]
+        for arm, d in summary["anchor_diagnostic"].items():
+            cells = [f"{d['anchor_modes'].get(m) or 0:.3f} / {d['policy_modes'].get(m) or 0:.3f}" for m in modes]
+            adv = d["kept_anchor_advantage"]
+            lines.append(f"| {arm} | {d['runs']} | " + " | ".join(cells) + f" | {d['anchors_kept']:.1f} | "
+                         + ("–" if adv is None else f"{adv:+.3f}") + " |")
     for base, by_arm in summary["comparisons"].items():
         lines += ["", f"## Paired differences: arm − {base} ({pairing}, shared validation steps)", "", *header]
         for arm, comparison in by_arm.items():
@@ -678,7 +728,7 @@ def format_summary(summary: dict) -> str:
                   "range), so 'higher'/'lower' then means only that every seed agreed."]
     if summary.get("at_points"):
         names = list(dict.fromkeys(n for rows in summary["at_points"].values() for n in rows))
-        lines += ["", "## pass@j and mode shares at each run's start / validation peak / end (held-out; mean over "
+        lines += ["", "## pass@j and mode shares at each run's start / validation peak / end (held-out unless a set is named; mean over "
                   "runs)", "", "| arm | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
         for arm, rows in summary["at_points"].items():
             lines.append(f"| {arm} | " + " | ".join(
@@ -811,4 +861,21 @@ def plot_study(curves: dict, out: Path, smooth: int = 5) -> None:
         axes[0][0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "modes.png", dpi=110)
+        plt.close(fig)
+    anchor_modes = list(dict.fromkeys(m for runs in curves.values() for c in runs.values()
+                                      for m in (*c.get("anchor_modes", {}), *c.get("policy_modes", {}))))
+    if anchor_modes:  # anchor_modes.png: the anchor mode diagnostic (anchor_mode_classifier), ARMOR arms only
+        fig, axes = plt.subplots(1, len(anchor_modes), figsize=(4.2 * len(anchor_modes), 3.8), squeeze=False)
+        for ax, mode in zip(axes[0], anchor_modes):
+            for i, (arm, runs) in enumerate(curves.items()):
+                for key, style, label in (("anchor_modes", "-", "anchors"), ("policy_modes", "--", "on-policy")):
+                    band = _band([c[key][mode] for c in runs.values() if c.get(key, {}).get(mode)], smooth)
+                    if band is not None:
+                        steps, mean, _ = band
+                        ax.plot(steps, mean, style, color=colors(i), label=f"{arm}: {label}")
+            ax.set(title=f"kept groups' share: {mode}", xlabel="step", ylim=(0, 1))
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "anchor_modes.png", dpi=110)
         plt.close(fig)
