@@ -10,8 +10,8 @@ builds from ``logπ`` from log π_mix. For each of TRL's ``LOSS_TYPES`` and ``IM
   length-normalised log-ratio of the token-wise mixture policy, as TRL normalises the plain log-ratio;
 * ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: the clipped surrogate min(r·A, clip(r)·A) on that ratio;
 * ``sapo``: the soft gate (4/τ)·σ(τ·(r − 1)) on it;
-* ``cispo``: the stop-gradient weight min(r, ε_high) on it, times A·log π_mix, so the gradient is
-  sg(min(r, ε_high))·A·w·∇log π_θ with w = α·π_θ/π_mix (``policy_share``);
+* ``cispo``: the stop-gradient weight min(r, ε_high) on it, times A·log π_mix, so the objective's gradient (the
+  loss is its negative) is sg(min(r, ε_high))·A·w·∇log π_θ, with w = α·π_θ/π_mix = ∂ log π_mix / ∂ log π_θ;
 * ``vespo``: its gamma weight φ of exp(Σ_t log r_mix) (TRL's sum, whatever the level), times A·log π_mix.
 
 α = 1 hands TRL the policy's own log-probs, so every one of them is TRL's loss exactly.
@@ -77,12 +77,6 @@ def trust_region_bounds(
 def default_alpha(num_generations: int, anchors_per_group: int = 1) -> float:
     """α = (G−m)/G: the share of on-policy completions in a group that holds m anchors ((G−1)/G for one)."""
     return (num_generations - anchors_per_group) / num_generations
-
-
-def policy_share(logp: torch.Tensor, ref_logp: torch.Tensor, alpha: float) -> torch.Tensor:
-    """w = α·π_θ / (α·π_θ + (1−α)·π_ref) per token: ∂ log π_mix / ∂ log π_θ, in (0, 1]; what the mixture multiplies a
-    gradient through log π_mix by (CISPO, VESPO, and the clipped surrogate at r_mix = 1)."""
-    return torch.exp(logp + math.log(alpha) - mixed_logprobs(logp, ref_logp, alpha))
 
 
 def k3_kl(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
