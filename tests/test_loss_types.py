@@ -4,9 +4,10 @@ mixed ratio in each of TRL's losses").
 ARMOR hands TRL's own loss mixture log-probs (armor_trl/mixture.py); these tests check what TRL's loss then computes,
 loss and gradient, against a float64 hand computation written from the definitions, in the multi-update regime
 (num_iterations = 2, the policy moved away from π_old so that the clip binds), with anchors and a group the gate
-drops. At α = 1 ArmorGRPOTrainer trains exactly as GRPOTrainer does with that loss; with ARMOR at its defaults it
-trains with each of them (what TRL's own test_train_loss_types / test_train_sequence_importance_sampling check for
-GRPOTrainer, on the local tiny model: TRL's test file needs the hub's models and datasets).
+drops. At α = 1 its loss and gradient are GRPOTrainer's on the same round (anchors included), and without anchors
+it trains exactly as GRPOTrainer does with that loss. With ARMOR at its defaults it trains with each of them (what
+TRL's own test_train_loss_types / test_train_sequence_importance_sampling check for GRPOTrainer, here on the local
+tiny model: TRL's test file needs the hub's models and datasets).
 """
 
 import math
