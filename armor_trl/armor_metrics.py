@@ -14,7 +14,7 @@ from transformers.utils import logging
 
 from . import trl_seam as seam
 from .loss_rows import KEPT_ROWS
-from .mixture import clip_masks, importance_ratio, k3_kl, mixed_ratio
+from .mixture import clip_masks, importance_ratio, k3_kl, mixed_logprobs, mixed_ratio
 
 logger = logging.get_logger(__name__)
 
@@ -164,7 +164,8 @@ class ArmorMetrics:
 
         ``inputs`` hold the old policy's log-probs as TRL got them (absent: on-policy, π_old = π_θ); ``ref_logps``
         is given when the loss uses the mixed ratio. Logs the share of tokens the loss clips low / high (on r_mix
-        with the mixed ratio, on TRL's ratio otherwise, per ``level``), mean and max |r − 1| of the plain ratio
+        with the mixed ratio, on TRL's ratio otherwise, per ``level``; what "clips" means per loss type:
+        ``mixture.clip_masks``), mean and max |r − 1| of the plain ratio
         r = π_θ/π_old and, with the mixed ratio, of |r_mix − 1|; mean / min / max of the clipped ratio; the
         entropy; with the mixed ratio the k3 KLs to π_ref."""
         mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
@@ -175,8 +176,13 @@ class ArmorMetrics:
         anchor_rows = anchor_rows.to(mask.device).unsqueeze(1)
         plain = importance_ratio(logps, old, mask)
         mixed = None if ref_logps is None else mixed_ratio(logps, old, ref_logps, alpha)
-        clipped = mixed if mixed is not None else importance_ratio(logps, old, mask, level)
-        low, high = clip_masks(clipped, inputs["advantages"], mask, epsilon_low, epsilon_high)
+        if mixed is None:
+            clipped = importance_ratio(logps, old, mask, level)
+        else:  # the loss's ratio: r_mix per token, or each row's length-normalised one (sequence level)
+            clipped = importance_ratio(mixed_logprobs(logps, ref_logps, alpha), mixed_logprobs(old, ref_logps, alpha),
+                                       mask, level)
+        low, high = clip_masks(clipped, inputs["advantages"], mask, epsilon_low, epsilon_high,
+                               getattr(self.trainer, "loss_type", "dapo"))
         entropies = torch.zeros_like(logps) if entropies is None else entropies
         deviations = {"abs_ratio_dev": (plain - 1).abs()}
         if mixed is not None:

@@ -10,9 +10,9 @@ from trl import GRPOConfig
 
 from .advantages import QUANTILE_INTERPOLATIONS
 from .checks import unknown_names
-from .mixture import default_alpha
+from .mixture import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, default_alpha
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SUPPORTED_LOSS_TYPES = LOSS_TYPES  # every loss type of TRL 1.16 (docs/algorithm.md: what the mixed ratio is in each)
 ANCHOR_FILTERS = ("drop", "keep")
 ANCHOR_SELECTIONS = ("correct", "any", "incorrect")
 COLLAPSE_GUARD_ACTIONS = ("stop", "armor", "rollback")
@@ -431,7 +431,8 @@ class ArmorConfig(GRPOConfig):
     loss_type: str = field(
         default="dapo",
         metadata={
-            "help": "Loss aggregation. ARMOR supports 'grpo', 'bnpo', 'dr_grpo' and 'dapo' (token-level, the paper's).",
+            "help": "Loss type, any of TRL's: 'grpo', 'bnpo', 'dr_grpo', 'dapo' (the paper's), 'cispo', 'sapo', 'luspo', "
+            "'vespo'. With the mixed ratio each is built from r_mix instead of TRL's ratio (docs/algorithm.md).",
         },
     )
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range ε_low of the (mixed) ratio."})
@@ -694,11 +695,9 @@ class ArmorConfig(GRPOConfig):
             )
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {list(SUPPORTED_LOSS_TYPES)} with ARMOR, got {self.loss_type!r}.")
-        if self.use_mixed_ratio and self.importance_sampling_level != "token":
-            raise ValueError(
-                "importance_sampling_level must be 'token' with use_mixed_ratio=True (the mixed ratio is per token), "
-                f"got {self.importance_sampling_level!r}."
-            )
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level must be one of {list(IMPORTANCE_SAMPLING_LEVELS)}, got "
+                             f"{self.importance_sampling_level!r}.")
         local_generation_batch = self.per_device_train_batch_size * self.steps_per_generation
         if local_generation_batch % self.num_generations != 0:
             raise ValueError(

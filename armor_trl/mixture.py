@@ -1,8 +1,20 @@
 """ARMOR's Mixed Optimization as pure tensor functions (docs/algorithm.md, "2. Mixed Optimization").
 
-Everything here is a function of tensors and floats; nothing imports TRL. The trainer feeds
-``mixed_logprobs`` into TRL's clipped surrogate for both the current and the old policy, so that
-``exp(mix(logπ_θ) − mix(logπ_old))`` is the mixed ratio r_mix.
+Everything here is a function of tensors and floats; nothing imports TRL. The trainer hands TRL's loss
+``mixed_logprobs`` in place of the current and the old policy's log-probs (one seam, ``trl_seam.loss_logps_replaced``),
+so that whatever TRL builds from ``logπ − logπ_old`` is built from the mixed log-ratio log r_mix, and whatever it
+builds from ``logπ`` from log π_mix. For each of TRL's ``LOSS_TYPES`` and ``IMPORTANCE_SAMPLING_LEVELS`` that gives
+(docs/algorithm.md, "The mixed ratio in each of TRL's losses"):
+
+* token level: r_mix per token; sequence level (GSPO): exp of each row's masked mean of log r_mix, the
+  length-normalised log-ratio of the token-wise mixture policy, as TRL normalises the plain log-ratio;
+* ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: the clipped surrogate min(r·A, clip(r)·A) on that ratio;
+* ``sapo``: the soft gate (4/τ)·σ(τ·(r − 1)) on it;
+* ``cispo``: the stop-gradient weight min(r, ε_high) on it, times A·log π_mix, so the objective's gradient (the
+  loss is its negative) is sg(min(r, ε_high))·A·w·∇log π_θ, with w = α·π_θ/π_mix = ∂ log π_mix / ∂ log π_θ;
+* ``vespo``: its gamma weight φ of exp(Σ_t log r_mix) (TRL's sum, whatever the level), times A·log π_mix.
+
+α = 1 hands TRL the policy's own log-probs, so every one of them is TRL's loss exactly.
 """
 
 from __future__ import annotations
@@ -10,6 +22,13 @@ from __future__ import annotations
 import math
 
 import torch
+
+
+# TRL 1.16's loss types and importance-sampling levels (trl_seam.check_trl_surface checks GRPOTrainer's loss for them)
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+CLIPPED_SURROGATE_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # -min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)
+UNCLIPPED_LOSSES = ("sapo", "vespo")  # soft weights on the ratio, no clip
 
 
 def _check_alpha(alpha: float) -> None:
@@ -81,12 +100,19 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Ten
     return torch.exp(log_ratio)
 
 
-def clip_masks(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float):
-    """The tokens TRL's two-sided clipped surrogate clips, i.e. whose gradient the clip removes: ``low`` where
-    r < 1 − ε_low and A < 0, ``high`` where r > 1 + ε_high and A > 0 (TRL's ``clip_ratio/low_mean``, ``high_mean``).
-    ``advantages``: one per row or one per token."""
+def clip_masks(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float,
+               loss_type: str = "dapo"):
+    """The tokens the loss's clip acts on. The clipped surrogate (``CLIPPED_SURROGATE_LOSSES``) removes their
+    gradient: ``low`` where r < 1 − ε_low and A < 0, ``high`` where r > 1 + ε_high and A > 0 (TRL's
+    ``clip_ratio/low_mean``, ``high_mean``). ``cispo`` caps their weight: ``high`` where r > ε_high, whatever the
+    advantage's sign, and ``low`` is empty. ``sapo`` and ``vespo`` clip nothing: both empty. ``advantages``: one per
+    row or one per token."""
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     mask = mask.bool()
+    if loss_type in UNCLIPPED_LOSSES:
+        return torch.zeros_like(mask), torch.zeros_like(mask)
+    if loss_type == "cispo":
+        return torch.zeros_like(mask), (ratio > eps_high) & mask
     return (ratio < 1 - eps_low) & (advantages < 0) & mask, (ratio > 1 + eps_high) & (advantages > 0) & mask
 
 

@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import math
 import os
+import re
 
 from transformers import GenerationConfig, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -29,6 +30,8 @@ from trl.trainer.utils import (
     get_config_model_id,
     use_adapter,
 )
+
+from .mixture import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
 # private method -> parameters we pass or receive (in order, after self)
 OVERRIDDEN = {
@@ -91,7 +94,17 @@ def check_trl_surface() -> list[str]:
             problems.append(f"GRPOTrainer.{name} is missing")
         elif (problem := _starts_with(method, params)) is not None:
             problems.append(f"GRPOTrainer.{name} {problem}")
-    calls = inspect.getsource(GRPOTrainer._compute_loss).count("self._get_per_token_logps_and_entropies(")
+    loss_source = inspect.getsource(GRPOTrainer._compute_loss)
+    named = sorted(set(re.findall(r'"(\w+)"', " ".join(re.findall(r"self\.loss_type (?:==|in) (\[[^]]*\]|\"\w+\")",
+                                                                  loss_source)))))
+    if named != sorted(LOSS_TYPES):
+        problems.append(f"GRPOTrainer._compute_loss handles the loss types {named}, armor_trl knows {sorted(LOSS_TYPES)} "
+                        "(mixture.LOSS_TYPES): what the mixed ratio is in each must be derived again")
+    levels = sorted(set(re.findall(r'self\.importance_sampling_level == "(\w+)"', loss_source)))
+    if levels != sorted(IMPORTANCE_SAMPLING_LEVELS):
+        problems.append(f"GRPOTrainer._compute_loss handles the importance-sampling levels {levels}, armor_trl knows "
+                        f"{sorted(IMPORTANCE_SAMPLING_LEVELS)} (mixture.IMPORTANCE_SAMPLING_LEVELS)")
+    calls = loss_source.count("self._get_per_token_logps_and_entropies(")
     if calls != LOSS_LOGPS_CALLS:
         problems.append(f"GRPOTrainer._compute_loss calls _get_per_token_logps_and_entropies {calls} times, expected "
                         f"{LOSS_LOGPS_CALLS}: the mixed log-probs would not reach TRL's ratio as they should")

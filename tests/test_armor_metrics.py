@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from armor_trl.armor_metrics import ArmorMetrics
-from armor_trl.mixture import clip_masks, mixed_ratio
+from armor_trl.mixture import clip_masks, mixed_logprobs, mixed_ratio
 from testing import logged, make_trainer
 
 
@@ -21,8 +21,8 @@ class OneProcess:
         return tensor
 
 
-def metrics_of(inputs, logps, ref_logps=None, alpha=0.5, eps=(0.2, 0.28), level="token") -> dict:
-    trainer = SimpleNamespace(accelerator=OneProcess(), _metrics={"train": defaultdict(list)})
+def metrics_of(inputs, logps, ref_logps=None, alpha=0.5, eps=(0.2, 0.28), level="token", loss_type="dapo") -> dict:
+    trainer = SimpleNamespace(accelerator=OneProcess(), _metrics={"train": defaultdict(list)}, loss_type=loss_type)
     ArmorMetrics(trainer).loss_ratios(inputs, logps, None, ref_logps, alpha, *eps, level)
     return {name: values[-1] for name, values in trainer._metrics["train"].items()}
 
@@ -48,6 +48,46 @@ def test_clip_masks_are_trls_one_sided_tests():
     assert high.tolist() == [[False, False, False, False], [False, False, True, True]]
     per_token = clip_masks(ratio, advantages.unsqueeze(1).expand(2, 4), mask, 0.2, 0.28)
     assert all(torch.equal(a, b) for a, b in zip(per_token, (low, high)))
+
+
+def test_clip_masks_follow_what_each_loss_type_clips():
+    ratio = torch.tensor([[0.5, 0.9, 1.0, 1.5], [0.5, 1.1, 1.3, 2.0]])
+    advantages = torch.tensor([-1.0, 1.0])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    surrogate = clip_masks(ratio, advantages, mask, 0.2, 0.28)
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "luspo"):  # the clipped surrogate, as dapo
+        assert all(torch.equal(a, b) for a, b in zip(clip_masks(ratio, advantages, mask, 0.2, 0.28, loss_type), surrogate))
+    # CISPO caps the weight min(r, ε_high) whatever the sign of A, and has no lower clip
+    low, high = clip_masks(ratio, advantages, mask, 0.2, 1.2, "cispo")
+    assert not low.any() and high.tolist() == [[False, False, False, False], [False, False, True, True]]
+    low, high = clip_masks(ratio, -advantages, mask, 0.2, 1.2, "cispo")
+    assert high.tolist() == [[False, False, False, False], [False, False, True, True]]
+    for loss_type in ("sapo", "vespo"):  # soft weights, no clip
+        assert not any(m.any() for m in clip_masks(ratio, advantages, mask, 0.2, 0.28, loss_type))
+
+
+def test_at_sequence_level_the_mixed_clip_shares_are_on_each_rows_mixed_ratio():
+    inputs, logps, ref = scripted_batch()
+    inputs["old_per_token_logps"][1] = logps[1] + 1.0  # row 1 (A < 0): its mixed ratios well below 1
+    got = metrics_of(inputs, logps, ref, alpha=0.5, level="sequence")
+    mask = inputs["completion_mask"].bool()
+    log_ratio = mixed_logprobs(logps, ref, 0.5) - mixed_logprobs(inputs["old_per_token_logps"], ref, 0.5)
+    row_ratio = torch.exp((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1))  # GSPO's, on the mixture
+    low_rows = (row_ratio < 0.8) & (inputs["advantages"] < 0)
+    high_rows = (row_ratio > 1.28) & (inputs["advantages"] > 0)
+    assert low_rows[1]
+    assert got["armor/clip_low_frac"] == (mask.sum(1) * low_rows).sum().item() / mask.sum().item()
+    assert got["armor/clip_high_frac"] == (mask.sum(1) * high_rows).sum().item() / mask.sum().item()
+    policy = ~inputs["armor_is_anchor"] & mask.any(1)
+    assert math.isclose(got["armor/ratio_policy_min"], row_ratio[policy].min().item(), rel_tol=1e-6)
+    per_token = metrics_of(inputs, logps, ref, alpha=0.5)  # the token level clips r_mix per token: other shares
+    assert per_token["armor/clip_low_frac"] != got["armor/clip_low_frac"]
+    # the per-token deviation of r_mix is logged at both levels
+    assert got["armor/policy_abs_mixed_ratio_dev_max"] == per_token["armor/policy_abs_mixed_ratio_dev_max"]
+    # SAPO and VESPO clip nothing; CISPO counts the weights ε_high caps
+    assert metrics_of(inputs, logps, ref, level="sequence", loss_type="sapo")["armor/clip_low_frac"] == 0.0
+    cispo = metrics_of(inputs, logps, ref, eps=(0.2, 0.9), level="sequence", loss_type="cispo")
+    assert cispo["armor/clip_high_frac"] == (mask.sum(1) * (row_ratio > 0.9)).sum().item() / mask.sum().item() > 0
 
 
 def test_the_mixed_clip_shares_count_what_the_loss_clips():

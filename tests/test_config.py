@@ -32,9 +32,8 @@ def test_is_a_grpo_config_with_armor_defaults():
         (dict(ref_reset_steps=-5), "ref_reset_steps"),
         (dict(ref_reset_every_step_until=-1), "ref_reset_every_step_until"),
         (dict(beta=0.04), "beta"),
-        (dict(loss_type="cispo"), "loss_type"),
-        (dict(loss_type="sapo"), "loss_type"),
-        (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+        (dict(loss_type="ppo"), "loss_type"),
+        (dict(importance_sampling_level="segment"), "importance_sampling_level"),
     ],
 )
 def test_config_mistakes_are_value_errors_naming_the_field(kwargs, field):
@@ -53,8 +52,10 @@ def test_groups_must_not_span_processes(monkeypatch):
 def test_error_message_lists_allowed_values():
     with pytest.raises(ValueError, match=r"\['drop', 'keep'\]"):
         make(anchor_filter="skip")
-    with pytest.raises(ValueError, match=r"'grpo', 'bnpo', 'dr_grpo', 'dapo'"):
-        make(loss_type="luspo")
+    with pytest.raises(ValueError, match=r"'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'"):
+        make(loss_type="ppo")
+    with pytest.raises(ValueError, match=r"\['token', 'sequence'\]"):
+        make(importance_sampling_level="segment")
 
 
 def test_ablation_switches_off_allow_any_grpo_setting():
@@ -62,8 +63,11 @@ def test_ablation_switches_off_allow_any_grpo_setting():
     assert not args.armor_enabled
 
 
-def test_sequence_level_is_allowed_without_the_mixed_ratio():
-    assert make(use_mixed_ratio=False, importance_sampling_level="sequence").use_anchors
+def test_every_trl_loss_type_and_level_is_allowed_with_the_mixed_ratio():
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"):
+        for level in ("token", "sequence"):
+            args = make(loss_type=loss_type, importance_sampling_level=level)
+            assert args.use_anchors and args.use_mixed_ratio
 
 
 @pytest.mark.parametrize(

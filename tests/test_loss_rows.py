@@ -8,10 +8,9 @@ import torch
 from testing import make_trainer, numbers_dataset, scripted
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-ARMOR_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the others are refused with ARMOR on (test_config.py)
 # prompts n = 0..3 and the `scripted` reward: n % 3 == 0 always right, n % 3 == 1 always wrong, n % 3 == 2 alternating
 NUMBERS = range(4)
-CASES = [("gate", t) for t in ARMOR_LOSS_TYPES] + [("dynamic_sampling", t) for t in TRL_LOSS_TYPES]
+CASES = [("gate", t) for t in TRL_LOSS_TYPES] + [("dynamic_sampling", t) for t in TRL_LOSS_TYPES]
 
 
 def token_losses(trainer, loss_type, output):

@@ -167,10 +167,15 @@ def test_field_table_documents_the_supported_loss_types_and_is_level():
 
     readme = (REPO / "docs" / "configuration.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `loss_type`"))
-    assert all(f"`{loss}`" in row.split("only", 1)[1].split("ValueError")[0] for loss in SUPPORTED_LOSS_TYPES)
-    assert "not been derived" in row
+    assert all(f"`{loss}`" in row.split("ValueError")[0] for loss in SUPPORTED_LOSS_TYPES)
+    assert "(#loss-types-and-importance-sampling-levels)" in row
     row = next(line for line in readme.splitlines() if line.startswith("| `importance_sampling_level`"))
-    assert '`"token"` only' in row and "per token" in row
+    assert '`"token"` or `"sequence"`' in row and "with or without the mixed ratio" in row
+    # the table of what the mixed ratio is in each loss type, at each level, names every loss type once
+    table = readme.split("## Loss types and importance-sampling levels", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `") and not line.startswith("| `loss_type`")]
+    named = [name for line in rows for name in line.split("|")[1].replace("`", "").replace(" ", "").split(",")]
+    assert sorted(named) == sorted(SUPPORTED_LOSS_TYPES) and all(line.count("|") == 4 for line in rows)
 
 
 # --- the wheel's contents ----------------------------------------------------------------------------------------

@@ -42,6 +42,25 @@ def test_surface_check_detects_a_loss_that_computes_the_log_probs_twice(monkeypa
     assert any("2 times" in p for p in trl_seam.check_trl_surface())
 
 
+def test_surface_check_detects_a_loss_type_or_level_armor_has_not_derived(monkeypatch):
+    def _compute_loss(self, model, inputs):
+        logps = self._get_per_token_logps_and_entropies(model, inputs)
+        if self.importance_sampling_level == "token" or self.importance_sampling_level == "segment":
+            pass
+        if self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"] or self.loss_type == "new":
+            return logps
+        elif self.loss_type == "vespo" or self.importance_sampling_level == "sequence":
+            return logps
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", _compute_loss)
+    problems = trl_seam.check_trl_surface()
+    assert any("loss types" in p and "'new'" in p for p in problems)
+    assert any("importance-sampling levels" in p and "'segment'" in p for p in problems)
+    monkeypatch.setattr(trl_seam, "LOSS_TYPES", (*trl_seam.LOSS_TYPES, "new"))
+    monkeypatch.setattr(trl_seam, "IMPORTANCE_SAMPLING_LEVELS", ("token", "sequence", "segment"))
+    assert trl_seam.check_trl_surface() == []
+
+
 def test_the_mixed_log_probs_reach_the_loss_exactly_once_or_the_run_stops():
     class Holder:
         pass
