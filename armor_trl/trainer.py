@@ -397,8 +397,12 @@ class ArmorGRPOTrainer(GRPOTrainer):
                                  "train(resume_from_checkpoint=True), or build a new ArmorGRPOTrainer.")
             if self.armor_started_at is not None:
                 self.armor_started_at -= self.state.global_step  # schedules count global_step - armor_started_at
-            seam.discard_rollouts(self)  # buffered rows and vLLM's weights are the last call's, by a restarted step
-        return super().train(checkpoint, *args, **kwargs)
+        if self.state.global_step > 0:  # trained before (resuming or not): TRL's buffered rows, and vLLM's weights,
+            seam.discard_rollouts(self)  # are the last call's, made by weights this call does not start from
+        output = super().train(checkpoint, *args, **kwargs)
+        if self.args.load_best_model_at_end:  # transformers may have loaded the best checkpoint's weights: vLLM's
+            seam.discard_rollouts(self)  # engine holds the final ones, and TRL pushes only at a new global_step
+        return output
 
     def _resolve_checkpoint(self, checkpoint):
         """The newest complete checkpoint for ``True``; refuse one written with other ARMOR settings."""

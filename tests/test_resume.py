@@ -172,3 +172,19 @@ def test_a_fingerprint_resumes_as_it_reads_back_and_in_any_order_of_names(saved,
                          anchor_reward_funcs=["digit_share_reward"])
     with pytest.raises(ValueError, match="anchor_reward_funcs: checkpoint"):  # other names are still refused
         other._resolve_checkpoint(checkpoint)
+
+
+def test_a_second_train_resuming_on_the_same_trainer_generates_afresh(tiny_model_path, tiny_tokenizer, prompt_dataset,
+                                                                     tmp_path):
+    # one generation per two optimizer steps: after step 3 TRL holds step 4's rows (made by the step-2 policy, with its
+    # π_old / π_ref log-probs); resuming checkpoint-2 with the same trainer must not train on them
+    from testing import capture_rounds
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3,
+                           steps_per_generation=2, save_strategy="steps", save_steps=2)
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    assert len(rounds) == 2
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert trainer.state.global_step == 3
+    assert len(rounds) == 3  # step 3 of the second call trained on rows generated in that call
