@@ -76,6 +76,35 @@ def test_default_precision_is_fp16_on_gpus_without_native_bf16(monkeypatch, capa
     assert default_precision() == "fp32"  # this machine has no other accelerator
 
 
+def test_bf16_left_unset_on_a_gpu_without_native_bf16_trains_in_fp16(tmp_path, monkeypatch):
+    """A T4 (default_precision "fp16"): bf16=None becomes fp16=True, not TRL's emulated bf16; an explicit choice stays."""
+    from armor_trl import config
+
+    monkeypatch.setattr(config, "default_precision", lambda use_cpu=False: "fp32" if use_cpu else "fp16")
+    args = cpu_args(use_cpu=False)
+    del args["bf16"]
+    resolved = ArmorConfig(output_dir=str(tmp_path), **args)
+    assert (resolved.bf16, resolved.fp16) == (False, True)
+    assert ArmorConfig(output_dir=str(tmp_path), bf16=False, **args).fp16 is False  # fp32 asked for: kept
+
+
+def test_default_precision_honours_accelerate_use_cpu(monkeypatch):
+    """transformers trains on the CPU when ACCELERATE_USE_CPU is set (as `use_cpu`), so precision is fp32 there."""
+    import torch
+
+    from armor_trl.config import default_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    assert default_precision() == "bf16"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert default_precision() == "fp32"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "0")
+    assert default_precision() == "bf16"
+
+
 def test_dataset_without_prompt_column(tiny_model_path, tiny_tokenizer, tmp_path):
     dataset = Dataset.from_dict({"question": ["1+1="] * 8, "answer": ["2"] * 8})
     with pytest.raises(ValueError, match=r"'prompt' column .*\['question', 'answer'\]"):
