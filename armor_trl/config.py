@@ -94,8 +94,8 @@ class ArmorConfig(GRPOConfig):
             "naming the reward functions, the threshold and the fixes (with `anchor_filter='drop'` nothing would "
             "train); with `anchor_filter='keep'` it warns instead, every this-many rounds until an anchor is found. "
             "The run also stops when the verifier cannot say \"correct\": it returns None for every candidate of the "
-            "first anchor round, or every candidate of the first this-many rounds passes with weighted rewards outside "
-            "[0, 1] (e.g. `len(set(completion))`); both errors name `anchor_reward_funcs` and the threshold. 0 turns "
+            "first anchor round, or every candidate of the first this-many rounds but empty ones passes with weighted "
+            "rewards outside [0, 1] (e.g. `len(set(completion))`, 0 only for an empty completion); both errors name `anchor_reward_funcs` and the threshold. 0 turns "
             "these checks off."
         },
     )

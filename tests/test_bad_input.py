@@ -210,6 +210,31 @@ def test_a_reward_every_candidate_passes_outside_zero_one_stops_naming_the_thres
     assert logged(trainer, "armor/anchor_found_frac") == [1.0, 1.0]  # what went unnoticed: every anchor "verified"
 
 
+def trls_readme_reward(completions, **kwargs):
+    """TRL's README reward ``len(set(c))`` as it is: 0 for an empty completion, 1 or more for any other."""
+    return [float(len(set(text))) for text in completions]
+
+
+def test_a_reward_that_fails_only_empty_completions_cannot_say_incorrect(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    # the tiny model, with its end token favoured, ends some completions at once (empty text: 0 < threshold 1.0);
+    # every other completion passes
+    calls = []
+
+    def counting(completions, **kwargs):
+        calls.append(sum(not text.strip() for text in completions))
+        return trls_readme_reward(completions)
+
+    counting.__name__ = "trls_readme_reward"
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=counting,
+                           max_steps=5, generation_kwargs={"sequence_bias": {(tiny_tokenizer.eos_token_id,): 3.0}})
+    with pytest.raises(ValueError, match=r"first 3 anchor rounds.*reached anchor_reward_threshold=1.0 but empty "
+                                         r"completions .*cannot say \"incorrect\""):
+        trainer.train()
+    assert sum(calls) > 0  # there were empty completions, failed (which the check used to take as "incorrect")
+
+
 @pytest.mark.parametrize("reward, overrides", [
     (lambda completions, **kw: [1.0] * len(completions), {}),  # always right, but a 0/1 reward: an easy task
     (lambda completions, **kw: [2.0 * any(c.isdigit() for c in t) for t in completions], {}),  # it can say wrong
