@@ -35,7 +35,7 @@ from .checkpoint import ArmorState, check_fingerprint, latest_complete_checkpoin
 from .collapse_guard import CollapseGuard
 from .config import ArmorConfig
 from .dynamic_sampling import DynamicSampling, advantages_across_processes
-from .loss_rows import over_kept_rows
+from .loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
 from .mixture import mixed_logprobs
 from .reference import ReferenceResetCallback, build_reference, copy_model_for_reference
 from .reward_checks import checked
@@ -336,9 +336,11 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if ref_logps is not None:
             loss_inputs = self._mixed_old_inputs(inputs, ref_logps, alpha)
             replace = lambda logps: mixed_logprobs(logps, ref_logps, alpha)  # noqa: E731
-        loss_inputs = over_kept_rows(self.loss_type, loss_inputs)  # rows taken out of the loss leave its normaliser
+        held, coef = micro_batch_share(self, inputs), seam.entropy_bonus_coef(self)  # (coef: before TRL updates it)
+        loss_inputs = over_kept_rows(self.loss_type, loss_inputs, held)  # rows out of the loss leave its normaliser
         with seam.loss_logps_replaced(self, replace) as policy:  # also keeps the loss's log-probs for the metrics
             loss = super()._compute_loss(model, loss_inputs)
+        loss = loss + entropy_bonus_correction(self, loss_inputs, policy["entropies"], held, coef)
         self.armor_metrics.loss_ratios(inputs, policy["logps"].detach(), policy["entropies"], ref_logps, alpha,
                                        self.epsilon_low, self.epsilon_high, self.importance_sampling_level)
         return loss

@@ -55,7 +55,8 @@ SAMPLING_ATTRIBUTES = ("temperature", "top_p", "max_completion_length")
 # private attributes read or written (the vLLM ones exist only with use_vllm=True, generation_config only without)
 ATTRIBUTES = (
     "_metrics", "_pending_extra_logs", "_pending_metrics", "model_wrapped", "use_vllm", "_tokenizer", "_buffered_inputs",
-    "_is_vlm", "generation_config", "generation_kwargs", *SAMPLING_ATTRIBUTES,
+    "_is_vlm", "generation_config", "generation_kwargs", "_step", "_entropy_bonus_enabled", "_last_world_entropy",
+    *SAMPLING_ATTRIBUTES,
 )
 VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
 # TRL's vLLM wrapper (trl.generation.vllm_generation.VLLMGeneration, not exported): what we call and pass
@@ -208,6 +209,31 @@ def discard_rollouts(trainer: GRPOTrainer) -> None:
     trainer._buffered_inputs = None
     if trainer.use_vllm:
         set_engine_step(trainer, -1)
+
+
+def buffered_micro_batches(trainer: GRPOTrainer) -> list[dict]:
+    """TRL's buffered generation batch, split into its ``steps_per_generation`` micro-batches (this process's rows)."""
+    return trainer._buffered_inputs
+
+
+def micro_batch_step(trainer: GRPOTrainer) -> int:
+    """TRL's count of micro-batches trained so far (during a loss: the index of the current one)."""
+    return trainer._step
+
+
+def entropy_bonus_enabled(trainer: GRPOTrainer) -> bool:
+    """Whether TRL's loss adds an entropy bonus (``entropy_coef`` ≠ 0 or ``use_adaptive_entropy``)."""
+    return trainer._entropy_bonus_enabled
+
+
+def entropy_bonus_coef(trainer: GRPOTrainer) -> float:
+    """The coefficient TRL's next loss applies to its entropy bonus (0 while the adaptive controller holds it off);
+    read before the loss, which may update it at the end of an optimizer step."""
+    if not trainer._entropy_bonus_enabled:
+        return 0.0
+    if trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target:
+        return 0.0
+    return trainer.entropy_coef
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
