@@ -35,6 +35,7 @@ from .checkpoint import ArmorState, check_fingerprint, latest_complete_checkpoin
 from .collapse_guard import CollapseGuard
 from .config import ArmorConfig
 from .dynamic_sampling import DynamicSampling, advantages_across_processes
+from .launcher import check_use_cpu
 from .loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
 from .mixture import mixed_logprobs
 from .reference import ReferenceResetCallback, build_reference, copy_model_for_reference
@@ -114,6 +115,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         checks.check_arguments(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft,
                                train_dataset)
         checks.check_vllm_device(args)
+        check_use_cpu(args)  # use_cpu under a launcher's DeepSpeed / FSDP on GPUs: refused before anything is built
         self.reference = self.reference_server = self.anchor_rollout = None
         # optimizer step ARMOR started at: 0, or None while it is dormant (collapse_guard="armor" before the switch)
         self.armor_started_at: int | None = None if args.collapse_guard == "armor" else 0

@@ -299,3 +299,17 @@ def test_resuming_a_lora_checkpoint_in_a_full_model_run_is_refused(tiny_model_pa
     full = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2)
     with pytest.raises(ValueError, match="kind: checkpoint 'lora' vs now 'full'"):
         full.train(resume_from_checkpoint=True)
+
+
+def test_use_cpu_under_deepspeed_on_a_gpu_machine_is_refused_at_construction(tiny_model_path, tiny_tokenizer,
+                                                                              prompt_dataset, tmp_path, monkeypatch):
+    import torch
+
+    from armor_trl import ArmorGRPOTrainer
+
+    args = ArmorConfig(output_dir=str(tmp_path), **cpu_args())  # use_cpu=True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` with a DeepSpeed config sets
+    with pytest.raises(ValueError, match=r"use_cpu=True under DeepSpeed on a machine with a GPU.*--use_cpu false"):
+        ArmorGRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=args, train_dataset=prompt_dataset,
+                         processing_class=tiny_tokenizer)
