@@ -267,6 +267,8 @@ def pair_m16(model_path: str, output_dir: str, completion: int = 128) -> dict:
         del trainer
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if name == "grpo_beta0.04":  # kept should ARMOR's run not finish within the part's budget
+            write_result(output_dir, "pair_m16", result)
     result["ratio_step"] = result["armor_per_step_s"] / result["grpo_beta0.04_per_step_s"]
     write_result(output_dir, "pair_m16", result)
     return result

@@ -174,8 +174,8 @@ def run_part(part: Part, output_dir: Path, log_dir: Path) -> dict:
 def summary(entry: dict) -> str:
     """One cell: what a part measured."""
     result = entry.get("result") or {}
-    keys = ("median_step_s", "per_step_s", "peak_gpu_gib", "anchor_found_frac", "ratio_step", "resumed_to_step",
-            "losses_finite")
+    keys = ("median_step_s", "peak_gpu_gib", "grpo_beta0.04_per_step_s", "armor_per_step_s", "ratio_step",
+            "anchor_found_frac", "resumed_to_step", "reference_resets", "losses_finite")
     shown = [f"{k} {result[k]:.3g}" if isinstance(result.get(k), float) else f"{k} {result[k]}"
              for k in keys if k in result]
     return ", ".join(shown)
