@@ -73,7 +73,6 @@ def test_a_part_over_its_budget_is_stopped_and_the_next_one_runs(tmp_path):
 
 def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(parts.shutil, "which", lambda name: None)
-    monkeypatch.delenv("GPU_CHECK_WITHOUT_GPU", raising=False)
     assert parts.main(["--output_dir", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
 
