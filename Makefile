@@ -149,14 +149,17 @@ dist: $(STAMP)
 # Wheels for a GPU machine without network (docs/gpu_study.md): armor-trl and what such a machine lacks (trl,
 # datasets, math-verify, ...; the list is in scripts/wheelhouse.py) at this venv's versions, in $(WHEELHOUSE)/; fails
 # over $(WHEELHOUSE_MAX_MIB) MiB. WHEELHOUSE_EXTRA='name==version ...' adds wheels (Linux x86_64, for each CPython
-# version in WHEELHOUSE_PYTHONS).
+# version in WHEELHOUSE_PYTHONS). WHEELHOUSE_DEEPSPEED=1 adds DeepSpeed (built here, pure Python), hjson and pydantic
+# (with its own dependencies), for `accelerate launch` with a DeepSpeed config on the machine without network.
 WHEELHOUSE ?= wheelhouse
 WHEELHOUSE_MAX_MIB ?= 60
 WHEELHOUSE_EXTRA ?=
 WHEELHOUSE_PYTHONS ?= 3.11 3.12 3.13
+WHEELHOUSE_DEEPSPEED ?=
 wheelhouse: $(STAMP)
 	$(BIN)/python scripts/wheelhouse.py build --dest $(WHEELHOUSE) --max_mib $(WHEELHOUSE_MAX_MIB) \
-		--python_versions $(WHEELHOUSE_PYTHONS) $(if $(strip $(WHEELHOUSE_EXTRA)),--extra $(WHEELHOUSE_EXTRA))
+		--python_versions $(WHEELHOUSE_PYTHONS) $(if $(strip $(WHEELHOUSE_EXTRA)),--extra $(WHEELHOUSE_EXTRA)) \
+		$(if $(strip $(WHEELHOUSE_DEEPSPEED)),--deepspeed)
 
 # Opt-in, not in CI (needs the package index, a few minutes): installs from the wheelhouse alone (--no-index) into
 # a scratch venv holding only the packages assumed on the GPU machine, then imports armor_trl, trl, math_verify, runs armor-trl --help.

@@ -154,7 +154,9 @@ class AnchorRollout:
             verified = verified_mask(rewards, weights, args.anchor_reward_threshold, self.funcs)
             verified_frac = verified.float()[: len(used) * k]
             best_candidate = (torch.nan_to_num(rewards) * weights).sum(dim=1).max().item()
-            counts = verifier_counts(rewards[: len(used) * k], weights, args.anchor_reward_threshold, self.funcs)
+            texts = seam.decode(trainer, candidate_ids[: len(used) * k], False)
+            counts = verifier_counts(rewards[: len(used) * k], weights, args.anchor_reward_threshold, self.funcs,
+                                     empty=torch.tensor([not text.strip() for text in texts], dtype=torch.bool))
             for position, g in enumerate(used):
                 for slot in range(per_group):
                     index = int(chosen[position, slot])

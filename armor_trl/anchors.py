@@ -76,17 +76,24 @@ def verifier_totals(
 
 
 def verifier_counts(
-    rewards_per_func: torch.Tensor, weights: torch.Tensor, threshold: float, use_funcs: torch.Tensor | None = None
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, threshold: float, use_funcs: torch.Tensor | None = None,
+    empty: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """What a round's fresh candidates say about the verifier, as a (6,) float tensor: candidates, candidates some
-    verifying function scored, verified candidates, scored candidates whose total lies outside [0, 1], and the
-    lowest and highest scored total (+inf / -inf when none was scored)."""
+    """What a round's fresh candidates say about the verifier, as a (7,) float tensor: candidates, candidates some
+    verifying function scored, verified candidates, scored candidates whose total lies outside [0, 1], the lowest and
+    highest scored total (+inf / -inf when none was scored), and scored candidates that failed with a completion
+    that is not empty (``empty``: (candidates,) bool, whether the completion's text is empty or blank; None: none is).
+    Only these show a verifier saying "incorrect": any reward may score an empty completion 0 (``len(set(c))``)."""
     weighted, applies = verifier_totals(rewards_per_func, weights, use_funcs)
     scored = weighted[applies]
+    failed = applies & (weighted < threshold)
+    if empty is not None:
+        failed = failed & ~empty.to(failed.device)
     return torch.tensor([
         float(len(weighted)), float(applies.sum()), float((applies & (weighted >= threshold)).sum()),
         float(((scored < 0) | (scored > 1)).sum()),
         scored.min().item() if len(scored) else math.inf, scored.max().item() if len(scored) else -math.inf,
+        float(failed.sum()),
     ])
 
 

@@ -82,22 +82,25 @@ class ArmorMetrics:
 
     def _check_verifier_can_say_correct(self, counts: torch.Tensor | None, threshold: float) -> None:
         """Stop a run whose verifier cannot say "correct": no verifying function scored any candidate of the first
-        anchor round (all None), or every candidate of the first ``anchor_fail_after_rounds`` rounds passed with
-        weighted rewards outside [0, 1] (e.g. ``len(set(text))``, about 12 for every completion: every anchor would
-        count as verified). Rounds without fresh candidates (cache hits, column anchors) are not counted."""
+        anchor round (all None), or every candidate of the first ``anchor_fail_after_rounds`` rounds but empty ones
+        passed with weighted rewards outside [0, 1] (e.g. ``len(set(text))``, 0 for an empty completion, 1 or more for
+        any other: every anchor would count as verified). A failed empty completion is no sign of a verifier saying
+        "incorrect". Rounds without fresh candidates (cache hits, column anchors) are not counted."""
         trainer = self.trainer
         rounds = trainer.args.anchor_fail_after_rounds
         if counts is None or self._verifier_checked or not rounds or trainer.args.anchor_selection != "correct":
             return
         every = trainer.accelerator.gather(counts.unsqueeze(0).float())
-        now = torch.cat([every[:, :4].sum(dim=0), every[:, 4].min().view(1), every[:, 5].max().view(1)]).cpu()
+        now = torch.cat([every[:, :4].sum(dim=0), every[:, 4].min().view(1), every[:, 5].max().view(1),
+                         every[:, 6:].sum(dim=0)]).cpu()
         if now[0] == 0:
             return
         total = now if self._verifier is None else torch.cat([self._verifier[:4] + now[:4],
                                                               torch.minimum(self._verifier[4], now[4]).view(1),
-                                                              torch.maximum(self._verifier[5], now[5]).view(1)])
+                                                              torch.maximum(self._verifier[5], now[5]).view(1),
+                                                              self._verifier[6:] + now[6:]])
         self._verifier, self._verifier_rounds = total, self._verifier_rounds + 1
-        candidates, scored, verified, outside, low, high = total.tolist()
+        candidates, scored, verified, outside, low, high, failed_not_empty = total.tolist()
         verifier = trainer.args.anchor_reward_funcs or trainer.reward_func_names
         fixes = ("Fixes: a 0/1 verifier reward (e.g. armor_trl.rewards.math_verify_reward), named in anchor_reward_funcs "
                  "when other rewards shape; an anchor_reward_threshold only a correct completion reaches. "
@@ -110,16 +113,24 @@ class ArmorMetrics:
                 "nothing. Return a float (e.g. 1.0 correct, 0.0 wrong) for the completions your verifier judges. "
                 + fixes
             )
-        if scored > verified:  # the verifier failed some candidate: it can tell correct from wrong
+        if failed_not_empty:  # the verifier failed a non-empty candidate: it can tell correct from wrong
             self._verifier_checked = True
         elif self._verifier_rounds >= rounds:
             self._verifier_checked = True
-            if outside:
+            rewards = (f"with weighted rewards outside [0, 1] (from {low:g} to {high:g}; reward functions judging "
+                       f"correctness: {verifier})")
+            if outside and scored == verified:
                 raise ValueError(
                     f"Every reference candidate of the first {self._verifier_rounds} anchor rounds ({verified:g} of "
-                    f"{candidates:g}) reached anchor_reward_threshold={threshold}, with weighted rewards outside [0, 1] "
-                    f"(from {low:g} to {high:g}; reward functions judging correctness: {verifier}): they cannot say "
+                    f"{candidates:g}) reached anchor_reward_threshold={threshold}, {rewards}: they cannot say "
                     "\"incorrect\", so every anchor would count as verified. " + fixes
+                )
+            if outside:  # failed only empty completions, which any reward may score low (len(set(c)) scores 0)
+                raise ValueError(
+                    f"Every reference candidate of the first {self._verifier_rounds} anchor rounds ({verified:g} of "
+                    f"{candidates:g}) reached anchor_reward_threshold={threshold} but empty completions "
+                    f"({scored - verified:g}), {rewards}: failing only empty completions, they cannot say "
+                    "\"incorrect\", so every other anchor would count as verified. " + fixes
                 )
 
     def rows_by_type(self, output: dict, is_anchor: torch.Tensor) -> None:

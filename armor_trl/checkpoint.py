@@ -140,12 +140,27 @@ def latest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
     return None, incomplete
 
 
+UNORDERED_FIELDS = ("anchor_reward_funcs",)  # names of a set: their order does not change what a run does
+
+
+def comparable(name: str, value):
+    """A fingerprint value as it reads back from ``armor_state.json`` (tuples become lists), with the names of an
+    ``UNORDERED_FIELDS`` field sorted: a tuple and the list it is saved as, or the same names in another order,
+    compare equal."""
+    value = json.loads(json.dumps(value))
+    if name in UNORDERED_FIELDS and isinstance(value, list):
+        return sorted(value, key=repr)
+    return value
+
+
 def check_fingerprint(checkpoint: str, expected: dict, defaults: dict | None = None) -> None:
     """Refuse to resume ``checkpoint`` when it was written with other settings than ``expected``. A field of
-    ``defaults`` is compared both ways: missing on either side, it holds its default there."""
+    ``defaults`` is compared both ways: missing on either side, it holds its default there. Values are compared as
+    they read back from the state file (:func:`comparable`)."""
     saved, defaults = read_state(checkpoint)["config"], defaults or {}
     names = list(expected) + [name for name in saved if name in defaults and name not in expected]
-    pairs = {name: (saved.get(name, defaults.get(name)), expected.get(name, defaults.get(name))) for name in names}
+    pairs = {name: (comparable(name, saved.get(name, defaults.get(name))),
+                    comparable(name, expected.get(name, defaults.get(name)))) for name in names}
     differing = {name: (old, new) for name, (old, new) in pairs.items() if old != new}
     if differing:
         details = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in differing.items())

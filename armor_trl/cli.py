@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .checks import close_names, unknown_names
+from .launcher import check_use_cpu
 from .recipe import (
     DataArguments, TrainScriptArguments, build_trainer, held_out_source, load_datasets, named_validation_sets,
     parse_train_args, read_json, read_jsonl, recipe_value, resolve_resume_from_checkpoint, train_datasets,
@@ -353,6 +354,7 @@ def train_main(argv: list[str]) -> int:
         if not {"-h", "--help"} & set(argv):
             require_recipe(argv, "train")
         script_args, training_args, model_args, notes = parse_train_args(argv)
+        check_use_cpu(training_args)  # (both methods) before any weights or datasets load
         for note in notes:
             print(f"armor-trl train: warning: {note}", file=sys.stderr)
         if script_args.resume_best_as_reference:

@@ -65,6 +65,7 @@ class CollapseGuard(TrainerCallback):
         self.action, self.drop, self.patience = args.collapse_guard, args.collapse_guard_drop, args.collapse_guard_patience
         self.metric = args.collapse_guard_watches  # None: the first val/…avg@n logged
         self.steps: list[int] = []
+        self.checkpoints: list[str] = []  # per validation: the folder its step's checkpoint is (or would be) written to
         self.scores: list[float] = []
         self.rewards: list[float | None] = []
         self.rewards_since: list[float] = []  # training rewards logged since the last validation
@@ -72,7 +73,7 @@ class CollapseGuard(TrainerCallback):
         trainer.add_callback(self)
 
     # --- state ---------------------------------------------------------------------------------------------------
-    STATE_FIELDS = ("metric", "steps", "scores", "rewards", "rewards_since", "fired")
+    STATE_FIELDS = ("metric", "steps", "checkpoints", "scores", "rewards", "rewards_since", "fired")
 
     def state_dict(self) -> dict:
         return {key: getattr(self, key) for key in self.STATE_FIELDS}
@@ -81,6 +82,8 @@ class CollapseGuard(TrainerCallback):
         for key in self.STATE_FIELDS:  # known fields only: a checkpoint cannot set anything else on the guard
             if key in state:
                 setattr(self, key, state[key])
+        if "checkpoints" not in state:  # written before the guard kept its checkpoints' folders: the run's own folder
+            self.checkpoints = [self.checkpoint_of(step) for step in self.steps]
 
     def register(self, armor_state) -> None:
         armor_state.register("collapse_guard", self.state_dict, self.load_state_dict)
@@ -90,7 +93,9 @@ class CollapseGuard(TrainerCallback):
 
     @property
     def best_checkpoint(self) -> str | None:
-        return self.checkpoint_of(self.steps[best_index(self.scores)]) if self.scores else None
+        """The checkpoint of the best validation, in the folder it was written to (a run resumed into another
+        output_dir keeps the folder of the validations before the resume)."""
+        return self.checkpoints[best_index(self.scores)] if self.scores else None
 
     # --- events --------------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -124,6 +129,7 @@ class CollapseGuard(TrainerCallback):
         if metric is None or not math.isfinite(logs[metric]):
             return
         self.steps.append(state.global_step)
+        self.checkpoints.append(os.path.abspath(self.checkpoint_of(state.global_step)))
         self.scores.append(float(logs[metric]))
         self.rewards.append(sum(self.rewards_since) / len(self.rewards_since) if self.rewards_since else None)
         self.rewards_since = []

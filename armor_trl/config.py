@@ -24,11 +24,13 @@ def default_precision(use_cpu: bool = False) -> str:
     """The mixed precision this machine trains in natively: "bf16" on a GPU with native bf16 (CUDA compute capability
     8.0 or higher: A100, L4, H100, ...; other accelerators as transformers' `is_torch_bf16_gpu_available` says),
     "fp16" on an older CUDA GPU (T4, V100: torch.cuda.is_bf16_supported() is True there too, since a bf16 tensor can
-    be made, but bf16 arithmetic is emulated), "fp32" on a CPU (or with ``use_cpu``). ArmorConfig's `bf16=None`
-    resolves to fp32 where this says "fp32"; the Colab notebook trains in what it says."""
+    be made, but bf16 arithmetic is emulated), "fp32" on a CPU (or with ``use_cpu``, or the environment variable
+    ``ACCELERATE_USE_CPU`` that transformers honours). ArmorConfig's `bf16=None` resolves to what this says (fp16 as
+    `fp16=True`); the Colab notebook trains in what it says."""
     import torch
+    from transformers.utils import strtobool
 
-    if use_cpu:
+    if use_cpu or strtobool(os.environ.get("ACCELERATE_USE_CPU", "False")):
         return "fp32"
     if torch.cuda.is_available():
         if torch.version.hip:  # ROCm: bf16 on every AMD GPU torch supports (torch.cuda.is_bf16_supported says so)
@@ -92,8 +94,8 @@ class ArmorConfig(GRPOConfig):
             "naming the reward functions, the threshold and the fixes (with `anchor_filter='drop'` nothing would "
             "train); with `anchor_filter='keep'` it warns instead, every this-many rounds until an anchor is found. "
             "The run also stops when the verifier cannot say \"correct\": it returns None for every candidate of the "
-            "first anchor round, or every candidate of the first this-many rounds passes with weighted rewards outside "
-            "[0, 1] (e.g. `len(set(completion))`); both errors name `anchor_reward_funcs` and the threshold. 0 turns "
+            "first anchor round, or every candidate of the first this-many rounds but empty ones passes with weighted "
+            "rewards outside [0, 1] (e.g. `len(set(completion))`, 0 only for an empty completion); both errors name `anchor_reward_funcs` and the threshold. 0 turns "
             "these checks off."
         },
     )
@@ -419,9 +421,10 @@ class ArmorConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Whether to use bf16 (mixed) precision instead of 32-bit. None (the default): bf16 unless fp16 is "
-            "set, as in TRL, except where there is no bf16 to use (no GPU/XPU/NPU with bf16 support, or use_cpu=True), "
-            "where None means fp32 (TRL would take bf16: an error from transformers without a GPU, slow emulated bf16 "
-            "with use_cpu=True). True without bf16 support is a ValueError saying what to set."
+            "set, as in TRL, except where there is no bf16 to use (no GPU/XPU/NPU with bf16 support, or use_cpu=True "
+            "or ACCELERATE_USE_CPU), where None means fp32 (TRL would take bf16: an error from transformers without a "
+            "GPU, slow emulated bf16 with use_cpu=True), and on a CUDA GPU without native bf16 (compute capability < 8, "
+            "a T4), where None means fp16=True. True without bf16 support is a ValueError saying what to set."
         },
     )
     beta: float = field(
@@ -466,8 +469,11 @@ class ArmorConfig(GRPOConfig):
         machine without bf16 support says what to do (transformers' own error points to use_cpu=True instead)."""
         from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
-        if self.bf16 is None and not self.fp16 and default_precision(self.use_cpu) == "fp32":
+        precision = default_precision(self.use_cpu) if self.bf16 is None and not self.fp16 else None
+        if precision == "fp32":
             self.bf16 = False  # TRL would take bf16=True: transformers' error here, or slow bf16 on the CPU
+        elif precision == "fp16":  # a GPU without native bf16 (a T4): TRL's bf16 would be emulated, and slow
+            self.bf16, self.fp16 = False, True
         if self.bf16 and not self.use_cpu and not is_torch_bf16_gpu_available() and not is_torch_xla_available():
             raise ValueError(
                 "bf16=True needs a GPU with bf16 support, and none is available. On a CPU leave bf16 unset (None: "

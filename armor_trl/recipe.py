@@ -559,6 +559,13 @@ def _parse_train_args(argv: list[str], config: str | None):
             argv += ["--use_cpu", "true"]
             notes.append("dry run without a GPU: the recipe is validated as if use_cpu=True (bf16, vLLM and memory "
                          "are checked only when training starts on the GPU machine)")
+    if method == "grpo" and not {"bf16", "fp16"} & (set(_flags(argv)) | set(recipe)):
+        # precision left to the machine: GRPOConfig would take bf16 everywhere; resolve it as ArmorConfig does
+        from .config import default_precision
+
+        use_cpu = _cli_value(argv, "use_cpu") or recipe.get("use_cpu", False)
+        precision = default_precision(str(use_cpu).lower() in ("true", "1", "yes"))
+        argv += {"fp32": ["--bf16", "false"], "fp16": ["--bf16", "false", "--fp16", "true"]}.get(precision, [])
     parser = TrlParser((TrainScriptArguments, ArmorConfig if method == "armor" else GRPOConfig, ModelConfig,
                         DatasetMixtureConfig), prog="armor-trl train")
     script_args, training_args, model_args, mixture, recipe_rest, cli_rest = parser.parse_args_and_config(

@@ -132,6 +132,11 @@ class ReferencePolicy:
         # it copied (None: weights of unknown relation to the policy's, e.g. a given ref_model).
         self.policy_version = 0
         self.copied_version: int | None = None
+        # Changes outside the trainer (load_adapter, load_state_dict, a parameter replaced between train() calls) bump
+        # no version: the identity and in-place version counter of every parameter on both sides, recorded when π_ref
+        # was made equal to the policy, catch them. ``policy_getter`` gives the unwrapped policy (None: not checked).
+        self.policy_getter = None
+        self.copied_weights: tuple | None = None
         # optimizer step of this run whose policy weights π_ref holds (differs from synced_step after a rollback, e.g.
         # the collapse guard's); with validation at that step it gives the reference's own accuracy. None: unknown
         self.weights_step: int | None = None
@@ -164,7 +169,7 @@ class ReferencePolicy:
             param.requires_grad_(False)
         reference.copy_from(peft_model)
         reference.synced_step = reference.weights_step = 0
-        reference.copied_version = reference.policy_version
+        reference.mark_copied(peft_model)
         return reference
 
     # --- reset -------------------------------------------------------------------------------------------------
@@ -225,15 +230,29 @@ class ReferencePolicy:
         self.last_reset_step = step
         self.synced_step = step
         self.weights_step = step if weights_step is None else weights_step
+        self.mark_copied(policy)
+
+    def mark_copied(self, policy: nn.Module | None) -> None:
+        """π_ref now holds exactly ``policy``'s weights (the unwrapped policy; None: do not record its parameters)."""
         self.copied_version = self.policy_version
+        self.copied_weights = None if policy is None else self._weights_record(policy)
+
+    def _weights_record(self, policy: nn.Module) -> tuple:
+        """Identity and in-place version counter (``Tensor._version``) of every parameter π_ref and the policy share."""
+        return tuple((id(p), p._version) for pair in self._pairs(policy) for p in pair)
 
     def policy_changed(self) -> None:
         """The policy's weights changed (an optimizer step, weights loaded into it): they get a new version."""
         self.policy_version += 1
 
     def holds_policy_weights(self) -> bool:
-        """True when π_ref holds exactly the policy's current weights: it copied them and they have not changed since."""
-        return self.copied_version is not None and self.copied_version == self.policy_version
+        """True when π_ref holds exactly the policy's current weights: it copied them and they have not changed since,
+        neither by the trainer (versions) nor in place or by replacement outside it (the parameters' record)."""
+        if self.copied_version is None or self.copied_version != self.policy_version:
+            return False
+        if self.copied_weights is None or self.policy_getter is None:
+            return True
+        return self._weights_record(self.policy_getter()) == self.copied_weights
 
     # --- use ---------------------------------------------------------------------------------------------------
     @property
@@ -290,7 +309,9 @@ class ReferencePolicy:
         saved_policy, saved_copy = state.get("policy_version"), state.get("copied_version")
         self.policy_version = max(self.policy_version, saved_policy or 0) + 1
         same = saved_policy is not None and saved_copy == saved_policy
-        self.copied_version = self.policy_version if same else None
+        self.copied_version, self.copied_weights = None, None
+        if same:  # (the policy's weights are loaded before the ARMOR state: transformers' resume, the rollback)
+            self.mark_copied(None if self.policy_getter is None else self.policy_getter())
 
     def save_weights(self, directory: str, policy: nn.Module, write: bool = True) -> None:
         """Write the reference's weights (or the "ref" adapter's) as safetensors. Collective under ZeRO-3 (parameters
@@ -383,7 +404,9 @@ def build_reference(trainer, ref_model, ref_copy: nn.Module | None, quantization
     from accelerate.utils import is_peft_model
 
     if is_peft_model(trainer.model):
-        return ReferencePolicy.lora(trainer.model)
+        reference = ReferencePolicy.lora(trainer.model)
+        reference.policy_getter = trainer.unwrapped_policy
+        return reference
     args = trainer.args
     if isinstance(ref_model, nn.Module):
         model = ref_model
@@ -405,7 +428,8 @@ def build_reference(trainer, ref_model, ref_copy: nn.Module | None, quantization
     if args.cast_lm_head_to_fp32:  # as GRPOTrainer casts the policy's head, so a reset copies it exactly
         cast_lm_head_to_fp32(model)
     reference = ReferencePolicy.full(seam.prepare_like_reference_model(trainer, model, args.cast_lm_head_to_fp32))
+    reference.policy_getter = trainer.unwrapped_policy
     if ref_model is None:  # a copy of the initial policy
         reference.synced_step = reference.weights_step = 0
-        reference.copied_version = reference.policy_version
+        reference.mark_copied(trainer.unwrapped_policy())
     return reference

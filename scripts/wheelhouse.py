@@ -1,7 +1,7 @@
 """The wheelhouse: armor-trl and the packages a GPU image without network lacks, installed there with
 ``pip install --no-index --find-links DIR armor-trl`` (docs/gpu_study.md).
 
-    python scripts/wheelhouse.py build [--dest wheelhouse] [--extra NAME==VERSION ...]   (make wheelhouse)
+    python scripts/wheelhouse.py build [--dest wheelhouse] [--extra NAME==VERSION ...] [--deepspeed]   (make wheelhouse)
     python scripts/wheelhouse.py check [--wheelhouse wheelhouse]                          (make wheelhouse-check)
     python scripts/wheelhouse.py install DIR                                              (scripts/gpu_*.sh)
     python scripts/wheelhouse.py missing          (exit 1 naming the modules this Python cannot import)
@@ -42,6 +42,11 @@ FALLBACKS = ("fsspec", "peft")
 # do in the image). torch is the CPU build here.
 IMAGE = ("torch", "transformers", "peft", "accelerate", "pyarrow", "pandas", "matplotlib", "xxhash", "jinja2",
          "psutil", "pyyaml", "tqdm")
+# Opt-in (build --deepspeed, `make wheelhouse WHEELHOUSE_DEEPSPEED=1`): DeepSpeed and what the GPU image lacked for it
+# on the first GPU run (2026-12-04), at the lock's versions. DeepSpeed publishes no wheel: it is built here, pure Python
+# (its ops are compiled at run time where needed); pydantic-core is compiled, one wheel per CPython version.
+DEEPSPEED_WHEELS = ("hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+DEEPSPEED = "deepspeed"
 # Modules the project imports at run time; a machine lacking one needs the wheelhouse.
 MODULES = ("torch", "transformers", "peft", "accelerate", "trl", "datasets", "math_verify", "yaml", "matplotlib",
            "tqdm")
@@ -75,7 +80,9 @@ def project_wheels(wheelhouse: Path) -> list[Path]:
 
 
 def install_command(wheelhouse: Path, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "pip", "install", "--no-index", "--find-links", str(wheelhouse), PROJECT]
+    """pip's command: armor-trl, and deepspeed too where the wheelhouse holds its wheel (built with --deepspeed)."""
+    wanted = [PROJECT] + ([DEEPSPEED] if sorted(wheelhouse.glob(f"{DEEPSPEED}-*.whl")) else [])
+    return [python, "-m", "pip", "install", "--no-index", "--find-links", str(wheelhouse), *wanted]
 
 
 def install(wheelhouse: str | os.PathLike, flag: str = "--wheelhouse") -> None:
@@ -130,7 +137,8 @@ def size_mib(folder: Path) -> float:
     return sum(f.stat().st_size for f in folder.glob("*.whl")) / 2**20
 
 
-def build(dest: str | os.PathLike, extra=(), max_mib: float = MAX_MIB, python_versions=PYTHON_VERSIONS) -> Path:
+def build(dest: str | os.PathLike, extra=(), max_mib: float = MAX_MIB, python_versions=PYTHON_VERSIONS,
+          deepspeed: bool = False) -> Path:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.whl"):  # only wheels: never a folder the user pointed at by mistake
@@ -141,7 +149,12 @@ def build(dest: str | os.PathLike, extra=(), max_mib: float = MAX_MIB, python_ve
                             str(REPO)], capture_output=True, text=True)
     if built.returncode != 0:  # setuptools' deprecation notices are noise unless the build failed
         raise WheelhouseError(f"building the {PROJECT} wheel failed:\n{built.stdout}{built.stderr}")
-    wanted = pinned(WHEELS + FALLBACKS) + list(extra)
+    wanted = pinned(WHEELS + FALLBACKS + (DEEPSPEED_WHEELS if deepspeed else ())) + list(extra)
+    if deepspeed:  # no wheel on the index: built from its source distribution, without its compiled ops
+        built = run([*pip, "wheel", "--quiet", "--no-deps", "--no-binary", DEEPSPEED, "--wheel-dir", str(dest),
+                     *pinned([DEEPSPEED])], capture_output=True, text=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+        if built.returncode != 0:
+            raise WheelhouseError(f"building the {DEEPSPEED} wheel failed:\n{built.stdout}{built.stderr}")
     platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
     for python in python_versions:  # --no-deps: exactly this list; `check` proves it complete
         run([*pip, "download", "--quiet", "--no-deps", "--only-binary=:all:", "--dest", str(dest),
@@ -206,6 +219,8 @@ def main(argv=None) -> int:
     b.add_argument("--extra", nargs="*", default=[], help="more NAME==VERSION wheels (Linux x86_64, CPython "
                    f"{'/'.join(PYTHON_VERSIONS)}), e.g. a pyarrow the GPU image lacks")
     b.add_argument("--max_mib", type=float, default=MAX_MIB)
+    b.add_argument("--deepspeed", action="store_true", help="also DeepSpeed (built here, pure Python) and "
+                   f"{', '.join(DEEPSPEED_WHEELS)} at the lock's versions, for `accelerate launch` with DeepSpeed")
     b.add_argument("--python_versions", nargs="+", default=list(PYTHON_VERSIONS),
                    help="CPython versions to fetch version-specific wheels for (default: %(default)s); one version "
                    "keeps a large --extra (pyarrow: 52.5 MiB per version) under the limit")
@@ -219,7 +234,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
-            build(args.dest, args.extra, args.max_mib, args.python_versions)
+            build(args.dest, args.extra, args.max_mib, args.python_versions, args.deepspeed)
         elif args.command == "check":
             check(args.wheelhouse, args.pin, args.keep)
         elif args.command == "missing":

@@ -76,6 +76,35 @@ def test_default_precision_is_fp16_on_gpus_without_native_bf16(monkeypatch, capa
     assert default_precision() == "fp32"  # this machine has no other accelerator
 
 
+def test_bf16_left_unset_on_a_gpu_without_native_bf16_trains_in_fp16(tmp_path, monkeypatch):
+    """A T4 (default_precision "fp16"): bf16=None becomes fp16=True, not TRL's emulated bf16; an explicit choice stays."""
+    from armor_trl import config
+
+    monkeypatch.setattr(config, "default_precision", lambda use_cpu=False: "fp32" if use_cpu else "fp16")
+    args = cpu_args(use_cpu=False)
+    del args["bf16"]
+    resolved = ArmorConfig(output_dir=str(tmp_path), **args)
+    assert (resolved.bf16, resolved.fp16) == (False, True)
+    assert ArmorConfig(output_dir=str(tmp_path), bf16=False, **args).fp16 is False  # fp32 asked for: kept
+
+
+def test_default_precision_honours_accelerate_use_cpu(monkeypatch):
+    """transformers trains on the CPU when ACCELERATE_USE_CPU is set (as `use_cpu`), so precision is fp32 there."""
+    import torch
+
+    from armor_trl.config import default_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    assert default_precision() == "bf16"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert default_precision() == "fp32"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "0")
+    assert default_precision() == "bf16"
+
+
 def test_dataset_without_prompt_column(tiny_model_path, tiny_tokenizer, tmp_path):
     dataset = Dataset.from_dict({"question": ["1+1="] * 8, "answer": ["2"] * 8})
     with pytest.raises(ValueError, match=r"'prompt' column .*\['question', 'answer'\]"):
@@ -181,6 +210,31 @@ def test_a_reward_every_candidate_passes_outside_zero_one_stops_naming_the_thres
     assert logged(trainer, "armor/anchor_found_frac") == [1.0, 1.0]  # what went unnoticed: every anchor "verified"
 
 
+def trls_readme_reward(completions, **kwargs):
+    """TRL's README reward ``len(set(c))`` as it is: 0 for an empty completion, 1 or more for any other."""
+    return [float(len(set(text))) for text in completions]
+
+
+def test_a_reward_that_fails_only_empty_completions_cannot_say_incorrect(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    # the tiny model, with its end token favoured, ends some completions at once (empty text: 0 < threshold 1.0);
+    # every other completion passes
+    calls = []
+
+    def counting(completions, **kwargs):
+        calls.append(sum(not text.strip() for text in completions))
+        return trls_readme_reward(completions)
+
+    counting.__name__ = "trls_readme_reward"
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, reward_funcs=counting,
+                           max_steps=5, generation_kwargs={"sequence_bias": {(tiny_tokenizer.eos_token_id,): 3.0}})
+    with pytest.raises(ValueError, match=r"first 3 anchor rounds.*reached anchor_reward_threshold=1.0 but empty "
+                                         r"completions .*cannot say \"incorrect\""):
+        trainer.train()
+    assert sum(calls) > 0  # there were empty completions, failed (which the check used to take as "incorrect")
+
+
 @pytest.mark.parametrize("reward, overrides", [
     (lambda completions, **kw: [1.0] * len(completions), {}),  # always right, but a 0/1 reward: an easy task
     (lambda completions, **kw: [2.0 * any(c.isdigit() for c in t) for t in completions], {}),  # it can say wrong
@@ -245,3 +299,17 @@ def test_resuming_a_lora_checkpoint_in_a_full_model_run_is_refused(tiny_model_pa
     full = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2)
     with pytest.raises(ValueError, match="kind: checkpoint 'lora' vs now 'full'"):
         full.train(resume_from_checkpoint=True)
+
+
+def test_use_cpu_under_deepspeed_on_a_gpu_machine_is_refused_at_construction(tiny_model_path, tiny_tokenizer,
+                                                                              prompt_dataset, tmp_path, monkeypatch):
+    import torch
+
+    from armor_trl import ArmorGRPOTrainer
+
+    args = ArmorConfig(output_dir=str(tmp_path), **cpu_args())  # use_cpu=True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` with a DeepSpeed config sets
+    with pytest.raises(ValueError, match=r"use_cpu=True under DeepSpeed on a machine with a GPU.*--use_cpu false"):
+        ArmorGRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=args, train_dataset=prompt_dataset,
+                         processing_class=tiny_tokenizer)

@@ -188,7 +188,7 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
 
 def test_gpu_preset_path_runs_on_cpu_at_a_small_shape(tmp_path):
     """The GPU preset's code path (a Qwen2 model with Qwen2.5-0.5B's proportions, the preset's training overrides,
-    the regime) at a tiny shape on the CPU: what scripts/gpu_check.sh runs on a GPU, checked for structure here."""
+    the regime) at a tiny shape on the CPU: what scripts/gpu_check.sh --full runs on a GPU, checked for structure here."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     proc = subprocess.run(
         [*BENCH, "--preset", "gpu", "--device", "cpu", "--hidden", "64", "--layers", "1", "--completion", "8",

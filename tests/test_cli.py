@@ -535,3 +535,42 @@ def test_required_flags_are_marked_required(tiny_model_path, tmp_path, capsys):
     config.write_text(yaml.safe_dump({"model": tiny_model_path, "dataset": "arithmetic", "arithmetic_eval_size": 2,
                                       "k": 1, "max_new_tokens": 2}))
     assert main(["eval", "--config", str(config)]) == 0
+
+
+@pytest.mark.parametrize("engine, env", [("DeepSpeed", {"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "1"}),
+                                         ("FSDP", {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "1"})])
+def test_use_cpu_under_a_launchers_deepspeed_or_fsdp_on_a_gpu_machine_is_refused_at_parse_time(
+        engine, env, recipe, cwd, capsys, monkeypatch):
+    # `accelerate launch --config_file configs/accelerate/zero2.yaml -m armor_trl train ...` with `use_cpu: true`:
+    # DeepSpeed put the model on cuda:0, TRL the inputs on the CPU, and the first forward crashed
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", "--config", str(recipe), "--dry_run", "--use_cpu", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"armor-trl train: error: use_cpu=True under {engine}")
+    assert "--use_cpu false" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU: nothing to refuse
+    assert main(["train", "--config", str(recipe), "--dry_run", "--use_cpu", "true"]) == 0
+
+
+def test_use_cpu_under_ddp_on_a_gpu_machine_warns_that_the_gpus_idle(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from armor_trl.launcher import check_use_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with caplog.at_level(logging.WARNING):
+        check_use_cpu(SimpleNamespace(use_cpu=True, deepspeed=None, fsdp=None))
+    assert "GPUs idle" in caplog.text and "--use_cpu false" in caplog.text
+    with pytest.raises(ValueError, match="use_cpu=True under DeepSpeed.*--use_cpu false"):
+        check_use_cpu(SimpleNamespace(use_cpu=True, deepspeed="ds.json", fsdp=None))
+    check_use_cpu(SimpleNamespace(use_cpu=False, deepspeed="ds.json", fsdp=None))  # the fix: no error

@@ -286,3 +286,25 @@ def test_guard_state_loads_known_fields_only(tiny_model_path, tiny_tokenizer, pr
     guard.load_state_dict({"steps": [1], "scores": [0.5], "trainer": None, "action": "armor", "drop": -1})
     assert guard.steps == [1] and guard.scores == [0.5]
     assert guard.trainer is trainer and guard.action == "stop" and guard.drop == 0.1
+
+
+def test_a_run_resumed_into_another_output_dir_rolls_back_to_the_checkpoint_it_recorded(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    from testing import StopAt
+
+    # validations 1-4 (best at step 2) written by the first run in first/; the resumed run writes to second/
+    saving = dict(save_strategy="steps", save_steps=1, max_steps=6, use_anchors=False, use_mixed_ratio=False)
+    first = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "first", action="rollback", **saving)
+    first.add_callback(StopAt(4))
+    first.train()
+    resumed = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "second", action="rollback",
+                      **saving)
+    snapshot = Snapshot(resumed)
+    resumed.add_callback(snapshot)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-4"))
+    fired = resumed.collapse_guard.fired
+    assert (fired["step"], fired["best_step"]) == (5, 2)
+    assert fired["best_checkpoint"] == str(tmp_path / "first" / "checkpoint-2")
+    best = load_file(str(tmp_path / "first" / "checkpoint-2" / "model.safetensors"))
+    assert max(((best[n] - snapshot.at[5][n]).abs().max().item() for n in best)) == 0.0  # step 6 starts from it

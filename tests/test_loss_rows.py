@@ -70,3 +70,63 @@ def test_rows_out_of_the_loss_leave_its_normaliser(path, loss_type, tiny_model_p
     expected = hand_loss(trainer, loss_type, output, kept)
     assert expected.abs() > 1e-3  # the check has power
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+
+
+def two_micro_batches(trainer, loss_type, **settings):
+    """The generation batch of the dynamic-sampling case (16 rows, the 4 kept ones first), in TRL's buffer as two
+    micro-batches of one optimizer step: every kept row in the first, none in the second."""
+    from trl.trainer.utils import split_tensor_dict
+
+    trainer.model.train()
+    inputs = next(iter(trainer.get_train_dataloader()))
+    output = trainer._generate_and_score_completions(inputs)
+    kept = output["completion_mask"].bool().any(1)
+    assert torch.equal(kept, torch.arange(16) < 4)
+    output["advantages"] = torch.where(kept, torch.linspace(-1.1, 2.0, 16), output["advantages"])
+    trainer._buffered_inputs = split_tensor_dict(output, 2)
+    trainer.current_gradient_accumulation_steps = 2
+    return output, kept
+
+
+def step_loss(trainer):
+    """The optimizer step's loss: TRL's losses of its two micro-batches (each already divided by the 2 steps), summed."""
+    total = 0.0
+    for step in range(2):
+        trainer._step = step
+        with torch.no_grad():
+            total += trainer._compute_loss(trainer.model, trainer._buffered_inputs[step]).item()
+    return total
+
+
+DROPPED = dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4, max_completion_length=6,
+               use_anchors=False, use_mixed_ratio=False, dynamic_sampling=True, dynamic_sampling_max_rounds=1)
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "grpo", "dr_grpo", "dapo"])
+def test_a_micro_batch_whose_rows_were_all_taken_out_does_not_halve_the_step(loss_type, tiny_model_path,
+                                                                             tiny_tokenizer, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(NUMBERS), tmp_path, reward_funcs=scripted,
+                           loss_type=loss_type, **DROPPED)
+    output, kept = two_micro_batches(trainer, loss_type)
+    expected = hand_loss(trainer, loss_type, output, kept)  # the step's loss over the kept rows (bnpo: one batch)
+    assert expected.abs() > 1e-3
+    assert step_loss(trainer) == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+
+
+def test_the_entropy_bonus_of_a_step_counts_the_micro_batches_that_hold_kept_rows(tiny_model_path, tiny_tokenizer,
+                                                                                  tmp_path):
+    coef = 0.5
+    losses = {}
+    for c in (0.0, coef):
+        trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(NUMBERS), tmp_path / str(c),
+                               reward_funcs=scripted, loss_type="dapo", entropy_coef=c, **DROPPED)
+        output, kept = two_micro_batches(trainer, "dapo")
+        losses[c] = step_loss(trainer)
+    # the bonus is the mean entropy over the kept tokens (all in the first micro-batch), as in a step without drops
+    _, entropies, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, torch.cat([output["prompt_ids"], output["completion_ids"]], 1),
+        torch.cat([output["prompt_mask"], output["completion_mask"]], 1), output["completion_ids"].size(1),
+        compute_entropy=True)
+    mask = output["completion_mask"][kept].double()
+    mean_entropy = (entropies[kept].detach().double() * mask).sum() / mask.sum()
+    assert losses[coef] - losses[0.0] == pytest.approx(-coef * mean_entropy.item(), rel=1e-4)

@@ -391,3 +391,22 @@ def test_alpha_decay_says_its_unit_and_the_hybrid_recipe_what_the_code_does():
     assert "--gradient_accumulation_steps 256" not in hybrid
     for name in ("qwen2.5-math-7b_dapo_armor.yaml", "qwen3-8b-base_armor_hybrid.yaml"):
         assert "armor_alpha_decay_steps: decay_steps x 16" in (CONFIGS / name).read_text()
+
+
+@pytest.mark.parametrize("method", ["armor", "grpo"])
+def test_a_recipe_that_leaves_precision_to_the_machine_resolves_it_for_both_methods(method, monkeypatch):
+    """configs/tiny_demo.yaml sets neither use_cpu nor bf16 (it runs on a laptop's CPU and under accelerate launch on
+    GPUs): fp32 here; on a GPU without native bf16 fp16. GRPOConfig (method grpo) would take bf16 everywhere."""
+    import torch
+
+    from armor_trl import config as armor_config
+
+    recipe = (CONFIGS / "tiny_demo.yaml").read_text()
+    assert "\nuse_cpu:" not in recipe and "\nbf16:" not in recipe
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--config", str(CONFIGS / "tiny_demo.yaml"), "--method", method]
+    _, config, _, _ = parse_train_args(list(argv))
+    assert (config.bf16, config.fp16, config.use_cpu) == (False, False, False)
+    monkeypatch.setattr(armor_config, "default_precision", lambda use_cpu=False: "fp32" if use_cpu else "fp16")
+    _, config, _, _ = parse_train_args(list(argv))
+    assert (config.bf16, config.fp16) == (False, True)

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig
 
 from armor_trl.checkpoint import STATE_FILE, read_state
-from testing import StopAt, digit_share_reward, make_trainer
+from testing import StopAt, digit_share_reward, has_digit_reward, make_trainer
 
 LORA = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), learning_rate=5e-2)
 
@@ -153,3 +153,38 @@ def test_a_checkpoint_without_a_later_loop_field_resumes_at_its_default(tiny_mod
         json.dump(state, f)
     with pytest.raises(ValueError, match="ARMOR state this run does not use \\(collapse_guard\\)"):
         trainer.armor_state.load(checkpoint)
+
+
+@pytest.mark.parametrize("saved,resumed", [(("has_digit_reward",), ("has_digit_reward",)),
+                                           (("has_digit_reward", "digit_share_reward"),
+                                            ["digit_share_reward", "has_digit_reward"])],
+                         ids=["tuple", "other_order"])
+def test_a_fingerprint_resumes_as_it_reads_back_and_in_any_order_of_names(saved, resumed, tiny_model_path,
+                                                                          tiny_tokenizer, prompt_dataset, tmp_path):
+    # the state file is JSON (a tuple reads back as a list); anchor_reward_funcs names a set of reward functions
+    rewards = [has_digit_reward, digit_share_reward]
+    checkpoint = checkpoint_written_with(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "a",
+                                         reward_funcs=rewards, anchor_reward_funcs=saved)
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "b", reward_funcs=rewards,
+                           anchor_reward_funcs=resumed)
+    assert trainer._resolve_checkpoint(checkpoint) == checkpoint
+    other = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "c", reward_funcs=rewards,
+                         anchor_reward_funcs=["digit_share_reward"])
+    with pytest.raises(ValueError, match="anchor_reward_funcs: checkpoint"):  # other names are still refused
+        other._resolve_checkpoint(checkpoint)
+
+
+def test_a_second_train_resuming_on_the_same_trainer_generates_afresh(tiny_model_path, tiny_tokenizer, prompt_dataset,
+                                                                     tmp_path):
+    # one generation per two optimizer steps: after step 3 TRL holds step 4's rows (made by the step-2 policy, with its
+    # π_old / π_ref log-probs); resuming checkpoint-2 with the same trainer must not train on them
+    from testing import capture_rounds
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3,
+                           steps_per_generation=2, save_strategy="steps", save_steps=2)
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    assert len(rounds) == 2
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert trainer.state.global_step == 3
+    assert len(rounds) == 3  # step 3 of the second call trained on rows generated in that call

@@ -261,3 +261,53 @@ def test_loading_the_best_model_at_the_end_counts_as_a_change_of_the_policy_weig
     assert reference.holds_policy_weights()
     callback.on_train_end(SimpleNamespace(load_best_model_at_end=True), None, None)  # transformers loaded other weights
     assert not reference.holds_policy_weights()
+
+
+def test_loading_the_best_model_at_the_end_marks_the_vllm_engine_stale(tiny_model_path, tiny_tokenizer,
+                                                                      prompt_dataset, tmp_path):
+    # transformers loads the best checkpoint's weights at the end of train(); a vLLM engine that holds the final
+    # weights (TRL's step marker = the last step) must push them again before a later evaluate() samples
+    from transformers import TrainerCallback
+
+    from armor_trl import trl_seam as seam
+
+    from armor_trl import ArmorConfig, ArmorGRPOTrainer
+    from testing import cpu_args, has_digit_reward
+
+    args = ArmorConfig(output_dir=str(tmp_path), **cpu_args(
+        max_steps=2, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="loss"))
+    trainer = ArmorGRPOTrainer(model=tiny_model_path, reward_funcs=has_digit_reward, args=args,
+                               train_dataset=prompt_dataset, eval_dataset=prompt_dataset,
+                               processing_class=tiny_tokenizer)
+
+    class EngineCurrent(TrainerCallback):  # what TRL's vLLM path holds at the end: the engine has the final weights
+        def on_train_end(self, args, state, control, **kwargs):
+            trainer.use_vllm = True
+            seam.set_engine_step(trainer, state.global_step)
+
+    trainer.add_callback(EngineCurrent())
+    trainer.train()
+    assert trainer.state.best_model_checkpoint is not None
+    assert seam.engine_step(trainer) == -1  # TRL pushes the (best) weights before its next generation
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "replace_parameter"])
+def test_weights_changed_outside_the_trainer_between_train_calls_end_same_call_rounds(
+        change, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    # π_ref is reset after every step, so after train() it holds the policy's weights; weights then loaded into the
+    # policy (load_state_dict, load_adapter, a parameter replaced) bump no version of the trainer's
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1,
+                           ref_reset_every_step_until=10)
+    trainer.train()
+    reference, policy = trainer.reference, trainer.unwrapped_policy()
+    assert reference.holds_policy_weights()
+    name, param = next((n, p) for n, p in policy.named_parameters() if "layers.0." in n)  # (not the tied embedding)
+    if change == "load_state_dict":
+        policy.load_state_dict({name: param.detach() + 0.5}, strict=False)
+    else:
+        module_name, _, attribute = name.rpartition(".")
+        setattr(policy.get_submodule(module_name), attribute, torch.nn.Parameter(param.detach() + 0.5))
+    assert not reference.holds_policy_weights()  # the next round's anchors come from π_ref itself
+    reference.reset(policy, trainer.state.global_step)
+    assert reference.holds_policy_weights()

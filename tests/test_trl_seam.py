@@ -110,3 +110,22 @@ def test_no_module_but_the_seam_touches_trls_private_surface(tiny_model_path, ti
                 if not (via_super and node.attr in trl_seam.OVERRIDDEN):
                     offences.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert offences == [], "\n".join(offences)
+
+
+def test_names_replaced_by_overlapping_blocks_are_restored_whatever_order_they_end_in(monkeypatch):
+    # two trainers built at once (colocated_engine_built's replacement of vLLM's names): the first block ends first
+    import sys
+    import types
+
+    module = types.ModuleType("armor_fake_vllm")
+    module.setup = original = lambda: "vllm"
+    monkeypatch.setitem(sys.modules, "armor_fake_vllm", module)
+    first = trl_seam._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+first")
+    second = trl_seam._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+second")
+    first.__enter__()
+    second.__enter__()
+    assert module.setup() == "vllm+first+second"
+    first.__exit__(None, None, None)
+    assert module.setup() == "vllm+second"  # the open block's replacement stays
+    second.__exit__(None, None, None)
+    assert module.setup is original
