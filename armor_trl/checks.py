@@ -36,7 +36,6 @@ def check_arguments(args, processing_class, tools, rollout_func, environment_fac
         )
     if args.use_anchors:
         unsupported = {
-            "use_transformers_continuous_batching=True": args.use_transformers_continuous_batching,
             "tools": bool(tools),
             "rollout_func": rollout_func is not None,
             "environment_factory": environment_factory is not None,

@@ -252,9 +252,13 @@ class ArmorGRPOTrainer(GRPOTrainer):
         parent = super()._generate_single_turn
         if self._round.inputs is None:
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        ids, logprobs, self._round.anchors = self.anchor_rollout.generate(
-            lambda ids, n: parent(ids, images, multimodal_fields, n), prompt_ids, num_generations, self._round.inputs
-        )
+        def policy(ids, n):
+            completion_ids, logprobs = parent(ids, images, multimodal_fields, n)
+            seam.check_row_count(completion_ids, ids)
+            return completion_ids, logprobs
+
+        ids, logprobs, self._round.anchors = self.anchor_rollout.generate(policy, prompt_ids, num_generations,
+                                                                          self._round.inputs)
         return ids, logprobs
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

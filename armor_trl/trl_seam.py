@@ -18,6 +18,7 @@ import inspect
 import math
 import os
 
+import torch
 from transformers import GenerationConfig, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
@@ -383,7 +384,19 @@ def server_engine(trainer: GRPOTrainer, base_url: str, group_port: int, shared_s
 def generate(trainer: GRPOTrainer, prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:
     """Sample completions with the trainer's own generation path (no tool loop, no decoding)."""
     completion_ids, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, None, {}, num_generations)
+    check_row_count(completion_ids, prompt_ids)
     return completion_ids
+
+
+def check_row_count(completion_ids: list, prompt_ids: list) -> None:
+    """One completion per prompt row, or a loud error: TRL's continuous-batching path logs requests that failed or
+    went missing and returns the others, which would shift every later row onto another prompt."""
+    if len(completion_ids) != len(prompt_ids):
+        raise RuntimeError(
+            f"The generation path returned {len(completion_ids)} completions for {len(prompt_ids)} prompt rows (with "
+            "use_transformers_continuous_batching, requests failed or went missing: see transformers' log above); "
+            "anchors cannot be placed on rows that do not match their prompts."
+        )
 
 
 _SAMPLING_KWARGS = ("temperature", "top_p", "max_tokens", "max_new_tokens", "do_sample")
@@ -430,16 +443,24 @@ def sampling_with(trainer: GRPOTrainer, temperature: float, top_p: float, max_to
 
 @contextlib.contextmanager
 def generating_with(trainer: GRPOTrainer, model):
-    """Route the trainer's generation path through ``model`` (the reference) within the block."""
+    """Route the trainer's generation path through ``model`` (the reference) within the block, and leave it as it was
+    found: in eval mode, with its own tensors. TRL's continuous-batching path casts the model it generates with in
+    place (``bf16`` / ``fp16``: the whole model; ``cast_lm_head_to_fp32``: the LM head) and sets it to train mode;
+    the reference gets back the very tensors it had (a cast makes new ones), so its log-probs and resets stay exact."""
     if model is None:
         yield
         return
     policy = trainer.model_wrapped
     trainer.model_wrapped = model
+    tensors = [(t, t.data) for t in (*model.parameters(), *model.buffers())]
     try:
         yield
     finally:
         trainer.model_wrapped = policy
+        with torch.no_grad():
+            for tensor, data in tensors:
+                if tensor.dtype != data.dtype:  # (a ZeRO-3 gather puts its own data back itself: same dtype)
+                    tensor.data = data
         model.eval()
 
 
