@@ -37,7 +37,6 @@ def check_arguments(args, processing_class, tools, rollout_func, environment_fac
     if args.use_anchors:
         unsupported = {
             "tools": bool(tools),
-            "rollout_func": rollout_func is not None,
             "environment_factory": environment_factory is not None,
             "a multimodal processing_class": isinstance(processing_class, ProcessorMixin),
         }
@@ -47,6 +46,14 @@ def check_arguments(args, processing_class, tools, rollout_func, environment_fac
                     f"use_anchors=True is not supported with {what} yet: anchors are sampled on the transformers or "
                     "vLLM generation path. Set use_anchors=False to train with the mixed ratio only, or drop that option."
                 )
+    if args.use_anchors and rollout_func is not None and args.use_vllm and args.anchor_source != "column":
+        raise ValueError(
+            "use_anchors=True with rollout_func and use_vllm=True: anchors sampled online with a rollout_func need the "
+            "transformers generation path (use_vllm=False, with or without use_transformers_continuous_batching), "
+            "where ARMOR routes π_ref into the trainer's model while your rollout_func runs; routing π_ref into vLLM "
+            "around a rollout_func is not built. With vLLM, use anchor_source='column' (pre-generated anchors, while "
+            "π_ref is never reset), or use_anchors=False (the mixed ratio only)."
+        )
     columns = getattr(train_dataset, "column_names", None)
     if environment_factory is None and columns is not None and "prompt" not in columns:
         raise ValueError(

@@ -39,6 +39,7 @@ from .loss_rows import over_kept_rows
 from .mixture import mixed_logprobs
 from .reference import ReferenceResetCallback, build_reference, copy_model_for_reference
 from .reward_checks import checked
+from .rollout_func import RolloutFuncAnchors
 from .rewards import math_verify_reward, verifier_timeouts
 from .vllm_reference import ReferenceServer
 
@@ -118,6 +119,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         # optimizer step ARMOR started at: 0, or None while it is dormant (collapse_guard="armor" before the switch)
         self.armor_started_at: int | None = None if args.collapse_guard == "armor" else 0
         self._round = Round()
+        self._user_rollout_func = rollout_func  # wrapped by ARMOR when anchors are on (armor_trl.rollout_func)
         # A policy instance is copied before TRL patches its forward (a later deep copy would keep that patch).
         ref_copy = None
         if args.armor_enabled and not uses_peft and ref_model is None and not isinstance(model, str):
@@ -171,8 +173,12 @@ class ArmorGRPOTrainer(GRPOTrainer):
             for func, name in zip(self.reward_funcs, self.reward_func_names)
         ]
         checks.check_built(self)
-        if args.use_anchors:
+        if args.use_anchors and self._user_rollout_func is not None:
+            self.anchor_rollout = RolloutFuncAnchors(self, train_dataset, self._user_rollout_func)
+            self.rollout_func = self._armor_rollout_func  # (TRL calls self.rollout_func(prompts, self))
+        elif args.use_anchors:
             self.anchor_rollout = AnchorRollout(self, train_dataset)
+        if self.anchor_rollout is not None:
             self.anchor_rollout.register(self.armor_state)
         self.reference = build_reference(self, ref_model, ref_copy, quantization_config)
         self.armor_state.register(
@@ -260,6 +266,13 @@ class ArmorGRPOTrainer(GRPOTrainer):
         ids, logprobs, self._round.anchors = self.anchor_rollout.generate(policy, prompt_ids, num_generations,
                                                                           self._round.inputs)
         return ids, logprobs
+
+    def _armor_rollout_func(self, prompts, trainer):
+        """The user's rollout_func, called by ARMOR for the policy's rows and π_ref's candidates (anchored rounds)."""
+        output, anchors = self.anchor_rollout.rollout(prompts, self._round.inputs)
+        if self._round.inputs is not None:
+            self._round.anchors = anchors
+        return output
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         anchors, rollout = self._round.anchors, self.anchor_rollout
