@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import difflib
 
-from transformers import ProcessorMixin
-
 
 def close_names(name: str, known) -> list[str]:
     """The known names closest to ``name`` (difflib: at most 3, similarity >= 0.75), best first."""
@@ -38,7 +36,6 @@ def check_arguments(args, processing_class, tools, rollout_func, environment_fac
         unsupported = {
             "tools": bool(tools),
             "environment_factory": environment_factory is not None,
-            "a multimodal processing_class": isinstance(processing_class, ProcessorMixin),
         }
         for what, present in unsupported.items():
             if present:
@@ -87,7 +84,7 @@ def check_built(trainer) -> None:
 
     args = trainer.args
     if args.use_anchors and seam.is_vlm(trainer):
-        raise ValueError("use_anchors=True does not support vision-language models (multimodal prompts) yet.")
+        check_vlm_anchors(args)
     if is_peft_model(trainer.model) and trainer.use_vllm and args.use_anchors:
         # TRL's vLLM weight sync maps "modules_to_save.default." and the trainable-token delta of the *trained*
         # adapter onto the base names, so with the "ref" adapter active it would push the policy's copy of them.
@@ -99,6 +96,22 @@ def check_built(trainer) -> None:
                 "policy's copy of those weights instead of the reference's. Use target_modules only (plain LoRA), or "
                 "use_vllm=False."
             )
+
+
+def check_vlm_anchors(args) -> None:
+    """Anchors for a vision-language model: the transformers generation path, anchors not cached by prompt ids."""
+    if args.use_vllm:
+        raise ValueError(
+            "use_anchors=True with a vision-language model needs use_vllm=False: ARMOR generates each anchor candidate "
+            "with its own prompt's images on the transformers path; sampling them from π_ref in vLLM with images is not "
+            "built. Use use_vllm=False, or use_anchors=False (the mixed ratio only)."
+        )
+    if args.anchor_cache:
+        raise ValueError(
+            "anchor_cache=True with a vision-language model: the cache keys a prompt by its token ids, which do not "
+            "tell two images apart (same text, same image size), so a cached anchor could answer another image. Set "
+            "anchor_cache=False, or use anchor_source='column'."
+        )
 
 
 def check_prompt_lengths(model, prompt_ids: list, max_completion_length: int) -> None:

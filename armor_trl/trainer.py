@@ -37,6 +37,7 @@ from .config import ArmorConfig
 from .dynamic_sampling import DynamicSampling, advantages_across_processes
 from .loss_rows import over_kept_rows
 from .mixture import mixed_logprobs
+from .multimodal import RowMedia, forward_kwargs
 from .reference import ReferenceResetCallback, build_reference, copy_model_for_reference
 from .reward_checks import checked
 from .rollout_func import RolloutFuncAnchors
@@ -68,6 +69,7 @@ class Round:
     inputs: list[dict] | None = None  # its rows, when it gets anchors
     anchors: AnchorRound | None = None  # set by _generate_single_turn
     rewards: torch.Tensor | None = None  # (all processes' rows, reward functions), set by _calculate_rewards
+    media: RowMedia | None = None  # each row's images in a VLM round, set by _generate_single_turn
 
 
 def model_card_settings(args: ArmorConfig) -> str:
@@ -258,14 +260,23 @@ class ArmorGRPOTrainer(GRPOTrainer):
         parent = super()._generate_single_turn
         if self._round.inputs is None:
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if images is not None or multimodal_fields:  # a VLM round: each call gets its own rows' images
+            self._round.media = RowMedia(prompt_ids, images, multimodal_fields)
+
         def policy(ids, n):
-            completion_ids, logprobs = parent(ids, images, multimodal_fields, n)
+            completion_ids, logprobs = parent(ids, *self.media_for(ids), n)
             seam.check_row_count(completion_ids, ids)
             return completion_ids, logprobs
 
         ids, logprobs, self._round.anchors = self.anchor_rollout.generate(policy, prompt_ids, num_generations,
                                                                           self._round.inputs)
         return ids, logprobs
+
+    def media_for(self, prompt_ids: list) -> tuple[list | None, dict]:
+        """(images, multimodal fields) of the rows of this round whose prompt ids are given (none outside a VLM
+        round): what TRL's generation path gets with them."""
+        media = self._round.media
+        return (None, {}) if media is None else media.select(prompt_ids)
 
     def _armor_rollout_func(self, prompts, trainer):
         """The user's rollout_func, called by ARMOR for the policy's rows and π_ref's candidates (anchored rounds)."""
@@ -323,7 +334,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         return seam.per_token_logps(self, model, input_ids, attention_mask, output["completion_ids"].size(1),
-                                    self.args.per_device_train_batch_size)
+                                    self.args.per_device_train_batch_size, **forward_kwargs(output))
 
     def _shape_anchor_advantages(self, output: dict) -> None:
         """Anchor-row advantage options: never negative (`mask_negative_anchor_advantage`), weighted by λ."""

@@ -382,8 +382,11 @@ def server_engine(trainer: GRPOTrainer, base_url: str, group_port: int, shared_s
 
 
 def generate(trainer: GRPOTrainer, prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:
-    """Sample completions with the trainer's own generation path (no tool loop, no decoding)."""
-    completion_ids, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, None, {}, num_generations)
+    """Sample completions with the trainer's own generation path (no tool loop, no decoding); in a vision-language
+    round, each row with its own prompt's images (``trainer.media_for``)."""
+    media = getattr(trainer, "media_for", None)  # a VLM round: each row's images (armor_trl.multimodal.RowMedia)
+    images, fields = (None, {}) if media is None else media(prompt_ids)
+    completion_ids, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, images, fields, num_generations)
     check_row_count(completion_ids, prompt_ids)
     return completion_ids
 
@@ -498,10 +501,12 @@ def score_quietly(trainer: GRPOTrainer, inputs: list[dict], prompts: list, compl
     return gathered[rank * rows : (rank + 1) * rows]
 
 
-def per_token_logps(trainer: GRPOTrainer, model, input_ids, attention_mask, logits_to_keep, batch_size):
-    """Per-token log-probs of the completion tokens under ``model`` (TRL's chunked fused-head forward)."""
+def per_token_logps(trainer: GRPOTrainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                    **image_fields):
+    """Per-token log-probs of the completion tokens under ``model`` (TRL's chunked fused-head forward; a VLM batch's
+    ``image_fields`` as TRL passes them: pixel_values, image_grid_thw, num_images, ...)."""
     logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-        trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+        trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **image_fields
     )
     return logps
 
