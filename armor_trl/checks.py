@@ -32,17 +32,22 @@ def check_arguments(args, processing_class, tools, rollout_func, environment_fac
             "ref_model cannot be combined with LoRA (peft_config or a PeftModel): the LoRA reference is a frozen "
             "copy of the adapter. Merge the adapter you want as reference into the base model instead."
         )
-    if args.use_anchors:
-        unsupported = {
-            "tools": bool(tools),
-            "environment_factory": environment_factory is not None,
-        }
-        for what, present in unsupported.items():
-            if present:
-                raise ValueError(
-                    f"use_anchors=True is not supported with {what} yet: anchors are sampled on the transformers or "
-                    "vLLM generation path. Set use_anchors=False to train with the mixed ratio only, or drop that option."
-                )
+    if args.use_anchors and tools:
+        raise ValueError(
+            "use_anchors=True is not supported with tools: an anchor would be a whole multi-turn π_ref trajectory (its "
+            "tool calls run, the tool outputs masked out of its loss), which ARMOR does not sample (docs/anchors.md, "
+            "'Tools and environments'). What works: use_anchors=False (the mixed ratio only), or run the tool loop in a "
+            "rollout_func that generates with armor_trl.generate_completions and returns an env_mask: ARMOR then calls "
+            "it for π_ref's candidates too."
+        )
+    if args.use_anchors and environment_factory is not None:
+        raise ValueError(
+            "use_anchors=True is not supported with environment_factory: an anchor would be a whole π_ref trajectory "
+            "in an environment of its own (K more environments per group, reset with its row, scored by their "
+            "get_reward), which ARMOR does not sample (docs/anchors.md, 'Tools and environments'). What works: "
+            "use_anchors=False (the mixed ratio only), or drive the environments in a rollout_func that generates with "
+            "armor_trl.generate_completions, returns an env_mask and the environment's reward as an extra field."
+        )
     if args.use_anchors and rollout_func is not None and args.use_vllm and args.anchor_source != "column":
         raise ValueError(
             "use_anchors=True with rollout_func and use_vllm=True: anchors sampled online with a rollout_func need the "

@@ -189,3 +189,24 @@ def test_a_generation_path_that_loses_rows_stops_the_round_instead_of_shifting_a
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1, **CB)
     with pytest.raises(RuntimeError, match="returned 13 completions for 14 prompt rows"):
         trainer.train()
+
+
+def test_column_anchors_on_the_continuous_batching_path_need_no_reference_generation(tiny_model_path, tiny_tokenizer,
+                                                                                     tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    batches = record_generate_batch(monkeypatch)
+    numbers = range(16)
+    dataset = Dataset.from_dict({"prompt": [f"{n}+{n + 1}=" for n in numbers],
+                                 "anchors": [[f"{2 * n + 1}"] for n in numbers]})
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path, max_steps=2, anchor_source="column",
+                           **CB)
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    assert [rows for _, rows in batches] == [6, 6]  # the policy's rows only
+    for output in rounds:
+        prompts = tiny_tokenizer.batch_decode(output["prompt_ids"], skip_special_tokens=True)
+        for row in output["armor_is_anchor"].nonzero().flatten().tolist():
+            n = int(prompts[row].split("+")[0])
+            assert tiny_tokenizer.decode(output["completion_ids"][row], skip_special_tokens=True) == str(2 * n + 1)
+    assert min(logged(trainer, "armor/anchor_found_frac")) == 1.0

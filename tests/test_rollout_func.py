@@ -85,6 +85,32 @@ def test_anchors_through_a_rollout_func_come_from_the_reference_with_their_own_e
     assert logged(trainer, "armor/anchor_found_frac")
 
 
+def test_an_env_mask_travels_with_its_row_anchors_included(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    """A tool loop written as a rollout_func marks environment tokens with env_mask (here: every other token of a
+    completion); each row, anchor rows included, trains with the mask of the call that made it."""
+    calls = []
+    traced = tracing_rollout(tiny_tokenizer, calls)
+
+    def with_env_mask(prompts, trainer):
+        output = traced(prompts, trainer)
+        output["env_mask"] = [[(i + len(prompt)) % 2 for i in range(len(ids))]
+                              for prompt, ids in zip(prompts, output["completion_ids"])]
+        return output
+
+    trainer = armor_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, with_env_mask, max_steps=2)
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    for output in rounds:
+        assert output["armor_is_anchor"].any()
+        for row in range(8):
+            ids, eos = output["completion_ids"][row].tolist(), tiny_tokenizer.eos_token_id
+            length = ids.index(eos) + 1 if eos in ids else len(ids)
+            prompt = tiny_tokenizer.decode(output["prompt_ids"][row][output["prompt_mask"][row].bool()],
+                                           skip_special_tokens=True)
+            expected = [(i + len(prompt)) % 2 for i in range(output["tool_mask"].size(1))]
+            assert output["tool_mask"][row][:length].tolist() == expected[:length]
+
+
 def test_a_same_call_round_asks_the_rollout_func_for_the_candidates_with_the_policys_rows(
         tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     calls = []

@@ -237,3 +237,18 @@ def test_vllm_anchors_for_a_vlm_are_refused_naming_what_works(tmp_path):
 
     with pytest.raises(ValueError, match="vision-language model needs use_vllm=False.*use_anchors=False"):
         check_vlm_anchors(ArmorConfig(output_dir=str(tmp_path), **cpu_args(use_vllm=True)))
+
+
+def test_column_anchors_for_a_vlm_join_their_rows_with_their_images(vlm_path, processor, tmp_path):
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{n}+{n + 1}="}], "image": image_of(n),
+                                  "anchors": [f"{2 * n + 1}"]} for n in range(16)])
+    trainer = vlm_trainer(vlm_path, processor, dataset, tmp_path, max_steps=2, anchor_source="column")
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    for output in rounds:
+        texts = processor.tokenizer.batch_decode(output["prompt_ids"], skip_special_tokens=True)
+        for row in output["armor_is_anchor"].nonzero().flatten().tolist():
+            anchor = processor.tokenizer.decode(output["completion_ids"][row], skip_special_tokens=True)
+            assert anchor == str(2 * number_of(texts[row]) + 1)  # its own row's anchor ...
+        check_rows_have_their_images(processor, output["prompt_ids"], output["pixel_values"], output["image_grid_thw"])
+    assert min(logged(trainer, "armor/anchor_found_frac")) == 1.0
