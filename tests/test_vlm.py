@@ -252,3 +252,24 @@ def test_column_anchors_for_a_vlm_join_their_rows_with_their_images(vlm_path, pr
             assert anchor == str(2 * number_of(texts[row]) + 1)  # its own row's anchor ...
         check_rows_have_their_images(processor, output["prompt_ids"], output["pixel_values"], output["image_grid_thw"])
     assert min(logged(trainer, "armor/anchor_found_frac")) == 1.0
+
+
+def test_the_vlm_recipe_keeps_each_rows_image_with_its_chat_prompt(monkeypatch, tmp_path):
+    """configs/qwen2.5-vl-3b_lora_vlm.yaml on a local stand-in of its hub dataset (image, problem, solution): the
+    training rows keep their images beside chat prompts, as TRL's VLM path reads them."""
+    from pathlib import Path
+
+    import armor_trl.datasets
+    from armor_trl.recipe import parse_train_args, train_datasets
+
+    stand_in = Dataset.from_list([{"image": image_of(n), "problem": f"What is {n}+{n + 1}?",
+                                   "solution": f"\\boxed{{{2 * n + 1}}}", "original_question": "",
+                                   "original_answer": ""} for n in range(3)])
+    monkeypatch.setattr(armor_trl.datasets, "load_dataset", lambda path, name=None, split=None, **kw: stand_in)
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "qwen2.5-vl-3b_lora_vlm.yaml"
+    script, training_args, _, _ = parse_train_args(["--config", str(recipe), "--dry_run"])
+    train, _ = train_datasets(script)
+    assert not training_args.use_vllm and not training_args.anchor_cache
+    for n, row in enumerate(train):
+        assert row["prompt"][-1]["role"] == "user" and f"What is {n}+{n + 1}?" in row["prompt"][-1]["content"]
+        assert np.asarray(row["image"])[0, 0, 0] == n * 8 and row["answer"] == f"\\boxed{{{2 * n + 1}}}"
