@@ -273,3 +273,35 @@ def test_the_vlm_recipe_keeps_each_rows_image_with_its_chat_prompt(monkeypatch, 
     for n, row in enumerate(train):
         assert row["prompt"][-1]["role"] == "user" and f"What is {n}+{n + 1}?" in row["prompt"][-1]["content"]
         assert np.asarray(row["image"])[0, 0, 0] == n * 8 and row["answer"] == f"\\boxed{{{2 * n + 1}}}"
+
+
+def test_with_lora_the_reference_adapter_samples_candidates_with_their_images(vlm_path, processor, image_dataset,
+                                                                              tmp_path, monkeypatch):
+    """The recipe's set-up (LoRA): π_ref is the "ref" adapter, active while the candidates are generated."""
+    from peft import LoraConfig
+
+    from armor_trl.reference import REF_ADAPTER
+
+    calls = record_generate(monkeypatch)
+    active = []
+    original = GenerationMixin.generate
+
+    def noting_adapter(model, *args, **kwargs):
+        active.append(trainer.unwrapped_policy().active_adapter)
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", noting_adapter)
+    trainer = ArmorGRPOTrainer(
+        model=vlm_path, reward_funcs=image_checked_reward, train_dataset=image_dataset, processing_class=processor,
+        args=ArmorConfig(output_dir=str(tmp_path), **cpu_args(max_steps=2, anchor_reward_threshold=0.1,
+                                                            anchor_same_call=False, ref_reset_steps=1)),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    assert trainer.reference.kind == "lora"
+    rounds = capture_rounds(trainer)
+    trainer.train()
+    assert [len(ids) for _, ids, _, _ in calls] == [6, 8, 6, 8]
+    assert active == ["default", REF_ADAPTER] * 2
+    for _, input_ids, pixel_values, image_grid_thw in calls:
+        check_rows_have_their_images(processor, input_ids, pixel_values, image_grid_thw)
+    assert all(output["armor_is_anchor"].any() for output in rounds) and trainer.reference.resets == 2
