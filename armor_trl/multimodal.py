@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from . import trl_seam as seam
+
 # what TRL's output holds for a VLM batch and hands to _get_per_token_logps_and_entropies
-FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+FORWARD_KEYS = seam.LOGPS_IMAGE_FIELDS
 IMAGE_INDEXED = ("image_grid_thw", "image_sizes", "image_position_ids")  # one entry per image
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids")  # (rows, prompt + completion tokens) in TRL's output
 SUPPORTED = "models whose processor returns pixel_values with image_grid_thw (Qwen2-VL / Qwen2.5-VL family) or one row per image"

@@ -75,6 +75,13 @@ HELPERS = ("trl.trainer.utils.add_fused_lm_head", "trl.trainer.utils.create_mode
 # _get_per_token_logps_and_entropies, and builds its ratio from that call's result (see loss_logps_replaced).
 LOSS_LOGPS_CALLS = 1
 
+# GRPOTrainer._generate calls the trainer's rollout_func attribute (ARMOR replaces it with its wrapper when anchors are
+# on, armor_trl.rollout_func), and _get_per_token_logps_and_entropies takes a VLM batch's image fields by these names
+# (armor_trl.multimodal passes them for π_ref's log-probs)
+ROLLOUT_FUNC_CALL = "self.rollout_func(prompts, self)"
+LOGPS_IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
 SUPPORTED_TRL = ">=1.16.0,<1.17"
 
 
@@ -96,6 +103,12 @@ def check_trl_surface() -> list[str]:
     if calls != LOSS_LOGPS_CALLS:
         problems.append(f"GRPOTrainer._compute_loss calls _get_per_token_logps_and_entropies {calls} times, expected "
                         f"{LOSS_LOGPS_CALLS}: the mixed log-probs would not reach TRL's ratio as they should")
+    if ROLLOUT_FUNC_CALL not in inspect.getsource(GRPOTrainer._generate):
+        problems.append(f"GRPOTrainer._generate no longer calls {ROLLOUT_FUNC_CALL}: ARMOR's rollout_func wrapper "
+                        "would not be reached")
+    logps_params = set(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
+    if missing := [name for name in LOGPS_IMAGE_FIELDS if name not in logps_params]:
+        problems.append(f"GRPOTrainer._get_per_token_logps_and_entropies lacks the image fields {missing}")
     module_name, _, class_name = VLLM_ENGINE.rpartition(".")
     try:
         engine = getattr(importlib.import_module(module_name), class_name)

@@ -91,3 +91,11 @@ def test_no_module_but_the_seam_touches_trls_private_surface(tiny_model_path, ti
                 if not (via_super and node.attr in trl_seam.OVERRIDDEN):
                     offences.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert offences == [], "\n".join(offences)
+
+
+def test_surface_check_detects_a_generate_that_no_longer_calls_the_rollout_func(monkeypatch):
+    def _generate(self, prompts):
+        return self.custom_generation(prompts)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate", _generate)
+    assert any("rollout_func" in p for p in trl_seam.check_trl_surface())
