@@ -305,3 +305,17 @@ def test_with_lora_the_reference_adapter_samples_candidates_with_their_images(vl
     for _, input_ids, pixel_values, image_grid_thw in calls:
         check_rows_have_their_images(processor, input_ids, pixel_values, image_grid_thw)
     assert all(output["armor_is_anchor"].any() for output in rounds) and trainer.reference.resets == 2
+
+
+def test_a_processor_field_that_cannot_be_cut_into_rows_is_named():
+    """A processor whose image fields are neither per patch with image_grid_thw, per image nor per row stops the
+    anchor round naming the field and the models that work."""
+    from armor_trl.multimodal import RowMedia
+
+    prompt_ids = [[1, 2], [3, 4], [5, 6]]
+    fields = {"pixel_values": torch.zeros(7, 4)}  # 7 tiles for 3 rows of one image each
+    with pytest.raises(ValueError, match="cannot cut the processor's field 'pixel_values' into rows.*Qwen2-VL"):
+        RowMedia(prompt_ids, [[image_of(0)]] * 3, fields)
+    media = RowMedia(prompt_ids, [[image_of(0)]] * 3, {"pixel_values": torch.arange(3.0)[:, None]})
+    images, picked = media.select([prompt_ids[2], prompt_ids[0]])
+    assert picked["pixel_values"].flatten().tolist() == [2.0, 0.0] and len(images) == 2
