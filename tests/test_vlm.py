@@ -118,9 +118,10 @@ def test_every_row_is_generated_and_scored_with_its_own_prompts_image(same_call,
     assert logged(trainer, "armor/anchor_found_frac")
 
 
-def test_reference_logps_of_every_row_equal_a_direct_forward_with_its_image(vlm_path, processor, image_dataset,
-                                                                            tmp_path):
-    trainer = vlm_trainer(vlm_path, processor, image_dataset, tmp_path, max_steps=1)
+@pytest.mark.parametrize("use_anchors", [True, False])  # False: the mixed ratio alone needs π_ref's log-probs too
+def test_reference_logps_of_every_row_equal_a_direct_forward_with_its_image(use_anchors, vlm_path, processor,
+                                                                            image_dataset, tmp_path):
+    trainer = vlm_trainer(vlm_path, processor, image_dataset, tmp_path, max_steps=1, use_anchors=use_anchors)
     rounds = capture_rounds(trainer)
     trainer.train()
     output, reference = rounds[0], trainer.reference.model
