@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "ArmorConfig": ".config",
     "ArmorGRPOTrainer": ".trainer",
+    "generate_completions": ".rollout_func",
     "mixed_logprobs": ".mixture",
     "mixed_ratio": ".mixture",
     "trust_region_bounds": ".mixture",

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import difflib
 
-from transformers import ProcessorMixin
-
 
 def close_names(name: str, known) -> list[str]:
     """The known names closest to ``name`` (difflib: at most 3, similarity >= 0.75), best first."""
@@ -34,20 +32,30 @@ def check_arguments(args, processing_class, tools, rollout_func, environment_fac
             "ref_model cannot be combined with LoRA (peft_config or a PeftModel): the LoRA reference is a frozen "
             "copy of the adapter. Merge the adapter you want as reference into the base model instead."
         )
-    if args.use_anchors:
-        unsupported = {
-            "use_transformers_continuous_batching=True": args.use_transformers_continuous_batching,
-            "tools": bool(tools),
-            "rollout_func": rollout_func is not None,
-            "environment_factory": environment_factory is not None,
-            "a multimodal processing_class": isinstance(processing_class, ProcessorMixin),
-        }
-        for what, present in unsupported.items():
-            if present:
-                raise ValueError(
-                    f"use_anchors=True is not supported with {what} yet: anchors are sampled on the transformers or "
-                    "vLLM generation path. Set use_anchors=False to train with the mixed ratio only, or drop that option."
-                )
+    if args.use_anchors and tools:
+        raise ValueError(
+            "use_anchors=True is not supported with tools: an anchor would be a whole multi-turn π_ref trajectory (its "
+            "tool calls run, the tool outputs masked out of its loss), which ARMOR does not sample (docs/anchors.md, "
+            "'Tools and environments'). What works: use_anchors=False (the mixed ratio only), or run the tool loop in a "
+            "rollout_func that generates with armor_trl.generate_completions and returns an env_mask: ARMOR then calls "
+            "it for π_ref's candidates too."
+        )
+    if args.use_anchors and environment_factory is not None:
+        raise ValueError(
+            "use_anchors=True is not supported with environment_factory: an anchor would be a whole π_ref trajectory "
+            "in an environment of its own (K more environments per group, reset with its row, scored by their "
+            "get_reward), which ARMOR does not sample (docs/anchors.md, 'Tools and environments'). What works: "
+            "use_anchors=False (the mixed ratio only), or drive the environments in a rollout_func that generates with "
+            "armor_trl.generate_completions, returns an env_mask and the environment's reward as an extra field."
+        )
+    if args.use_anchors and rollout_func is not None and args.use_vllm and args.anchor_source != "column":
+        raise ValueError(
+            "use_anchors=True with rollout_func and use_vllm=True: anchors sampled online with a rollout_func need the "
+            "transformers generation path (use_vllm=False, with or without use_transformers_continuous_batching), "
+            "where ARMOR routes π_ref into the trainer's model while your rollout_func runs; routing π_ref into vLLM "
+            "around a rollout_func is not built. With vLLM, use anchor_source='column' (pre-generated anchors, while "
+            "π_ref is never reset), or use_anchors=False (the mixed ratio only)."
+        )
     columns = getattr(train_dataset, "column_names", None)
     if environment_factory is None and columns is not None and "prompt" not in columns:
         raise ValueError(
@@ -81,7 +89,7 @@ def check_built(trainer) -> None:
 
     args = trainer.args
     if args.use_anchors and seam.is_vlm(trainer):
-        raise ValueError("use_anchors=True does not support vision-language models (multimodal prompts) yet.")
+        check_vlm_anchors(args)
     if is_peft_model(trainer.model) and trainer.use_vllm and args.use_anchors:
         # TRL's vLLM weight sync maps "modules_to_save.default." and the trainable-token delta of the *trained*
         # adapter onto the base names, so with the "ref" adapter active it would push the policy's copy of them.
@@ -93,6 +101,22 @@ def check_built(trainer) -> None:
                 "policy's copy of those weights instead of the reference's. Use target_modules only (plain LoRA), or "
                 "use_vllm=False."
             )
+
+
+def check_vlm_anchors(args) -> None:
+    """Anchors for a vision-language model: the transformers generation path, anchors not cached by prompt ids."""
+    if args.use_vllm:
+        raise ValueError(
+            "use_anchors=True with a vision-language model needs use_vllm=False: ARMOR generates each anchor candidate "
+            "with its own prompt's images on the transformers path; sampling them from π_ref in vLLM with images is not "
+            "built. Use use_vllm=False, or use_anchors=False (the mixed ratio only)."
+        )
+    if args.anchor_cache:
+        raise ValueError(
+            "anchor_cache=True with a vision-language model: the cache keys a prompt by its token ids, which do not "
+            "tell two images apart (same text, same image size), so a cached anchor could answer another image. Set "
+            "anchor_cache=False, or use anchor_source='column'."
+        )
 
 
 def check_prompt_lengths(model, prompt_ids: list, max_completion_length: int) -> None:

@@ -74,6 +74,7 @@ def _prompt_answer(row: dict) -> dict:
     return {"problem": row["prompt"], "answer": _answer_text(row["answer"])}
 
 
+IMAGE_COLUMNS = ("image", "images")  # a vision-language dataset's pictures, kept as they are (TRL reads these names)
 SCHEMAS = {"gsm8k": _gsm8k, "math": _math, "aime": _math, "dapo": _dapo, "prompt_answer": _prompt_answer}
 # The final-answer rule of math_verify (armor_trl.rewards) for each schema's own answers.
 ANSWER_FORMATS = {"gsm8k": "gsm8k", "math": "boxed", "aime": "boxed", "dapo": "dapo", "prompt_answer": "auto"}
@@ -203,7 +204,8 @@ def load_rlvr_dataset(
         answer_format: the final-answer rule math_verify applies to completions (``boxed``, ``gsm8k``, ``dapo``,
             ``auto``). Default: ``dapo`` for prompts carrying DAPO's instruction (``instruction="dapo"``, DAPO-Math-17k),
             else the schema's (:data:`ANSWER_FORMATS`).
-    Other columns are dropped, except that a dataset's own ``solution`` is kept. Answers that are missing, NaN (a
+    Other columns are dropped, except that a dataset's own ``solution`` is kept, and its ``image`` / ``images``
+    (TRL puts them into chat prompts for a vision-language model; they need ``chat=True``). Answers that are missing, NaN (a
     JSON ``NaN``), ``"nan"`` or ``"None"`` load as None, "no answer" (the rewards do not apply to those rows), with a
     warning that counts them; a dataset with no answer at all, and an empty or unreadable local file, are a
     ``ValueError`` naming the source.
@@ -226,7 +228,7 @@ def load_rlvr_dataset(
         return {"prompt": format_prompt(mapped["problem"], chat, system_prompt, instruction), "answer": mapped["answer"],
                 "answer_format": answer_format or ("dapo" if dapo else ANSWER_FORMATS[schema])}
 
-    keep = [c for c in ("solution",) if c in raw.column_names]
+    keep = [c for c in ("solution", *IMAGE_COLUMNS) if c in raw.column_names]
     text = Value("string")
     features = Features({"prompt": [{"role": text, "content": text}] if chat else text, "answer": text,
                          "answer_format": text, **{c: raw.features[c] for c in keep}})

@@ -41,8 +41,6 @@ class DynamicSampling:
 
     def __init__(self, trainer, train_dataset):
         args = trainer.args
-        if seam.is_vlm(trainer):
-            raise ValueError("dynamic_sampling=True does not support vision-language models (multimodal prompts) yet.")
         if args.per_device_train_batch_size * args.steps_per_generation % trainer.num_generations:
             raise ValueError(
                 "dynamic_sampling=True needs per_device_train_batch_size * steps_per_generation to be a multiple of "

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .multimodal import concat_image_rows, take_image_rows
+
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 
 
@@ -58,7 +60,9 @@ def take_rows(batch: dict, rows: list[int]) -> dict:
     """The given rows of every per-row tensor of ``batch`` (other entries are dropped)."""
     size = batch["completion_ids"].size(0)
     index = torch.tensor(rows, dtype=torch.long, device=batch["completion_ids"].device)
-    return {k: v.index_select(0, index) for k, v in batch.items() if torch.is_tensor(v) and v.dim() and v.size(0) == size}
+    taken = {k: v.index_select(0, index) for k, v in batch.items() if torch.is_tensor(v) and v.dim() and v.size(0) == size}
+    taken.update(take_image_rows(batch, rows))  # a VLM batch: pixel_values per patch, image_grid_thw per image
+    return taken
 
 
 def _pad_to(tensor: torch.Tensor, length: int, value, left: bool) -> torch.Tensor:
@@ -74,9 +78,12 @@ def concat_rows(batches: list[dict], pad_token_id: int) -> dict:
     joined = {}
     for key in batches[0]:
         parts = [batch[key] for batch in batches]
+        if not torch.is_tensor(parts[0]):  # (num_images: concat_image_rows)
+            continue
         if parts[0].dim() >= 2 and len({p.size(1) for p in parts}) > 1:
             width = max(p.size(1) for p in parts)
             value = pad_token_id if key in ("prompt_ids", "completion_ids") else 0
             parts = [_pad_to(p, width, value, left=key in PROMPT_KEYS) for p in parts]
         joined[key] = torch.cat(parts, dim=0)
+    concat_image_rows(batches, joined)  # a VLM batch's image fields replace what the loop made of them
     return joined

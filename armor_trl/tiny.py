@@ -61,3 +61,78 @@ def build_tiny_model(path: str | os.PathLike, hidden_size: int = 64, num_layers:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# --- a tiny vision-language model (Qwen2-VL shapes) --------------------------------------------------------------------
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'][0] }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def build_vlm_tokenizer():
+    """The character-level tokenizer with Qwen2-VL's vision tokens and a chat template that renders image parts."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_vlm_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16):
+    """A Qwen2-VL processor for images only (Qwen2-VL's image processor, PIL backend, and :func:`build_vlm_tokenizer`),
+    built locally: Qwen2-VL's own processor also wants a video processor, which needs torchvision. Images are resized
+    to ``min_pixels`` .. ``max_pixels`` (a 56×56 image: 16 patches, 4 image tokens)."""
+    from transformers import ProcessorMixin, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class ImageQwen2VLProcessor(Qwen2VLProcessor):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    tokenizer = build_vlm_tokenizer()
+    tokenizer.padding_side = "left"  # as GRPOTrainer loads a processor: prompts are left-padded
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    return ImageQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                 chat_template=tokenizer.chat_template)
+
+
+def build_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> str:
+    """Write a randomly initialised tiny Qwen2-VL model (a 1-layer vision tower, a 2-layer language model) to
+    ``path``; return the path. Its processor: :func:`build_tiny_vlm_processor`."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    path = os.fspath(path)
+    tokenizer = build_vlm_tokenizer()
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+    special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=True,
+                         **special),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True, **special,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

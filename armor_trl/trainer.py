@@ -39,8 +39,10 @@ from .launcher import check_use_cpu
 from .loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
 from .mixture import mixed_logprobs
 from .modes import resolve_classifier
+from .multimodal import RowMedia, forward_kwargs
 from .reference import ReferenceResetCallback, build_reference, copy_model_for_reference
 from .reward_checks import checked
+from .rollout_func import RolloutFuncAnchors
 from .rewards import math_verify_reward, verifier_timeouts
 from .vllm_reference import ReferenceServer
 
@@ -69,6 +71,7 @@ class Round:
     inputs: list[dict] | None = None  # its rows, when it gets anchors
     anchors: AnchorRound | None = None  # set by _generate_single_turn
     rewards: torch.Tensor | None = None  # (all processes' rows, reward functions), set by _calculate_rewards
+    media: RowMedia | None = None  # each row's images in a VLM round, set by _generate_single_turn
 
 
 def model_card_settings(args: ArmorConfig) -> str:
@@ -121,6 +124,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         # optimizer step ARMOR started at: 0, or None while it is dormant (collapse_guard="armor" before the switch)
         self.armor_started_at: int | None = None if args.collapse_guard == "armor" else 0
         self._round = Round()
+        self._user_rollout_func = rollout_func  # wrapped by ARMOR when anchors are on (armor_trl.rollout_func)
         # A policy instance is copied before TRL patches its forward (a later deep copy would keep that patch).
         ref_copy = None
         if args.armor_enabled and not uses_peft and ref_model is None and not isinstance(model, str):
@@ -174,8 +178,12 @@ class ArmorGRPOTrainer(GRPOTrainer):
             for func, name in zip(self.reward_funcs, self.reward_func_names)
         ]
         checks.check_built(self)
-        if args.use_anchors:
+        if args.use_anchors and self._user_rollout_func is not None:
+            self.anchor_rollout = RolloutFuncAnchors(self, train_dataset, self._user_rollout_func)
+            self.rollout_func = self._armor_rollout_func  # (TRL calls self.rollout_func(prompts, self))
+        elif args.use_anchors:
             self.anchor_rollout = AnchorRollout(self, train_dataset)
+        if self.anchor_rollout is not None:
             self.anchor_rollout.register(self.armor_state)
         self.reference = build_reference(self, ref_model, ref_copy, quantization_config)
         self.armor_state.register(
@@ -255,10 +263,30 @@ class ArmorGRPOTrainer(GRPOTrainer):
         parent = super()._generate_single_turn
         if self._round.inputs is None:
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        ids, logprobs, self._round.anchors = self.anchor_rollout.generate(
-            lambda ids, n: parent(ids, images, multimodal_fields, n), prompt_ids, num_generations, self._round.inputs
-        )
+        if images is not None or multimodal_fields:  # a VLM round: each call gets its own rows' images
+            self._round.media = RowMedia(prompt_ids, images, multimodal_fields)
+
+        def policy(ids, n):
+            completion_ids, logprobs = parent(ids, *self.media_for(ids), n)
+            seam.check_row_count(completion_ids, ids)
+            return completion_ids, logprobs
+
+        ids, logprobs, self._round.anchors = self.anchor_rollout.generate(policy, prompt_ids, num_generations,
+                                                                          self._round.inputs)
         return ids, logprobs
+
+    def media_for(self, prompt_ids: list) -> tuple[list | None, dict]:
+        """(images, multimodal fields) of the rows of this round whose prompt ids are given (none outside a VLM
+        round): what TRL's generation path gets with them."""
+        media = self._round.media
+        return (None, {}) if media is None else media.select(prompt_ids)
+
+    def _armor_rollout_func(self, prompts, trainer):
+        """The user's rollout_func, called by ARMOR for the policy's rows and π_ref's candidates (anchored rounds)."""
+        output, anchors = self.anchor_rollout.rollout(prompts, self._round.inputs)
+        if self._round.inputs is not None:
+            self._round.anchors = anchors
+        return output
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         anchors, rollout = self._round.anchors, self.anchor_rollout
@@ -309,7 +337,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         return seam.per_token_logps(self, model, input_ids, attention_mask, output["completion_ids"].size(1),
-                                    self.args.per_device_train_batch_size)
+                                    self.args.per_device_train_batch_size, **forward_kwargs(output))
 
     def _shape_anchor_advantages(self, output: dict) -> None:
         """Anchor-row advantage options: never negative (`mask_negative_anchor_advantage`), weighted by λ."""

@@ -20,6 +20,7 @@ import os
 import re
 import threading
 
+import torch
 from transformers import GenerationConfig, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
@@ -79,6 +80,13 @@ HELPERS = ("trl.trainer.utils.add_fused_lm_head", "trl.trainer.utils.create_mode
 # _get_per_token_logps_and_entropies, and builds its ratio from that call's result (see loss_logps_replaced).
 LOSS_LOGPS_CALLS = 1
 
+# GRPOTrainer._generate calls the trainer's rollout_func attribute (ARMOR replaces it with its wrapper when anchors are
+# on, armor_trl.rollout_func), and _get_per_token_logps_and_entropies takes a VLM batch's image fields by these names
+# (armor_trl.multimodal passes them for π_ref's log-probs)
+ROLLOUT_FUNC_CALL = "self.rollout_func(prompts, self)"
+LOGPS_IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
 SUPPORTED_TRL = ">=1.16.0,<1.17"
 
 
@@ -110,6 +118,12 @@ def check_trl_surface() -> list[str]:
     if calls != LOSS_LOGPS_CALLS:
         problems.append(f"GRPOTrainer._compute_loss calls _get_per_token_logps_and_entropies {calls} times, expected "
                         f"{LOSS_LOGPS_CALLS}: the mixed log-probs would not reach TRL's ratio as they should")
+    if ROLLOUT_FUNC_CALL not in inspect.getsource(GRPOTrainer._generate):
+        problems.append(f"GRPOTrainer._generate no longer calls {ROLLOUT_FUNC_CALL}: ARMOR's rollout_func wrapper "
+                        "would not be reached")
+    logps_params = set(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
+    if missing := [name for name in LOGPS_IMAGE_FIELDS if name not in logps_params]:
+        problems.append(f"GRPOTrainer._get_per_token_logps_and_entropies lacks the image fields {missing}")
     module_name, _, class_name = VLLM_ENGINE.rpartition(".")
     try:
         engine = getattr(importlib.import_module(module_name), class_name)
@@ -444,9 +458,24 @@ def server_engine(trainer: GRPOTrainer, base_url: str, group_port: int, shared_s
 
 
 def generate(trainer: GRPOTrainer, prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:
-    """Sample completions with the trainer's own generation path (no tool loop, no decoding)."""
-    completion_ids, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, None, {}, num_generations)
+    """Sample completions with the trainer's own generation path (no tool loop, no decoding); in a vision-language
+    round, each row with its own prompt's images (``trainer.media_for``)."""
+    media = getattr(trainer, "media_for", None)  # a VLM round: each row's images (armor_trl.multimodal.RowMedia)
+    images, fields = (None, {}) if media is None else media(prompt_ids)
+    completion_ids, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, images, fields, num_generations)
+    check_row_count(completion_ids, prompt_ids)
     return completion_ids
+
+
+def check_row_count(completion_ids: list, prompt_ids: list) -> None:
+    """One completion per prompt row, or a loud error: TRL's continuous-batching path logs requests that failed or
+    went missing and returns the others, which would shift every later row onto another prompt."""
+    if len(completion_ids) != len(prompt_ids):
+        raise RuntimeError(
+            f"The generation path returned {len(completion_ids)} completions for {len(prompt_ids)} prompt rows (with "
+            "use_transformers_continuous_batching, requests failed or went missing: see transformers' log above); "
+            "anchors cannot be placed on rows that do not match their prompts."
+        )
 
 
 _SAMPLING_KWARGS = ("temperature", "top_p", "max_tokens", "max_new_tokens", "do_sample")
@@ -493,16 +522,24 @@ def sampling_with(trainer: GRPOTrainer, temperature: float, top_p: float, max_to
 
 @contextlib.contextmanager
 def generating_with(trainer: GRPOTrainer, model):
-    """Route the trainer's generation path through ``model`` (the reference) within the block."""
+    """Route the trainer's generation path through ``model`` (the reference) within the block, and leave it as it was
+    found: in eval mode, with its own tensors. TRL's continuous-batching path casts the model it generates with in
+    place (``bf16`` / ``fp16``: the whole model; ``cast_lm_head_to_fp32``: the LM head) and sets it to train mode;
+    the reference gets back the very tensors it had (a cast makes new ones), so its log-probs and resets stay exact."""
     if model is None:
         yield
         return
     policy = trainer.model_wrapped
     trainer.model_wrapped = model
+    tensors = [(t, t.data) for t in (*model.parameters(), *model.buffers())]
     try:
         yield
     finally:
         trainer.model_wrapped = policy
+        with torch.no_grad():
+            for tensor, data in tensors:
+                if tensor.dtype != data.dtype:  # (a ZeRO-3 gather puts its own data back itself: same dtype)
+                    tensor.data = data
         model.eval()
 
 
@@ -540,10 +577,12 @@ def score_quietly(trainer: GRPOTrainer, inputs: list[dict], prompts: list, compl
     return gathered[rank * rows : (rank + 1) * rows]
 
 
-def per_token_logps(trainer: GRPOTrainer, model, input_ids, attention_mask, logits_to_keep, batch_size):
-    """Per-token log-probs of the completion tokens under ``model`` (TRL's chunked fused-head forward)."""
+def per_token_logps(trainer: GRPOTrainer, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                    **image_fields):
+    """Per-token log-probs of the completion tokens under ``model`` (TRL's chunked fused-head forward; a VLM batch's
+    ``image_fields`` as TRL passes them: pixel_values, image_grid_thw, num_images, ...)."""
     logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-        trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+        trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **image_fields
     )
     return logps
 

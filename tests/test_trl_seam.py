@@ -129,3 +129,11 @@ def test_names_replaced_by_overlapping_blocks_are_restored_whatever_order_they_e
     assert module.setup() == "vllm+second"  # the open block's replacement stays
     second.__exit__(None, None, None)
     assert module.setup is original
+
+
+def test_surface_check_detects_a_generate_that_no_longer_calls_the_rollout_func(monkeypatch):
+    def _generate(self, prompts):
+        return self.custom_generation(prompts)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate", _generate)
+    assert any("rollout_func" in p for p in trl_seam.check_trl_surface())
