@@ -259,11 +259,11 @@ class ArmorGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         anchors, rollout = self._round.anchors, self.anchor_rollout
+        score = super()._calculate_rewards if rollout is None else rollout.reusing_scores(super()._calculate_rewards)
         if anchors is not None and anchors.rewards_per_func is not None and rollout.slots_per_group:
-            rewards = rollout.score_round(super()._calculate_rewards, inputs, prompts, completions,
-                                          completion_ids_list, anchors)
+            rewards = rollout.score_round(score, inputs, prompts, completions, completion_ids_list, anchors)
         else:
-            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            rewards = score(inputs, prompts, completions, completion_ids_list)
         self._round.rewards = rewards
         if self._uses_verifier:  # completions math-verify could not judge in time (scored None), all processes
             seen, self._verifier_timeouts_seen = self._verifier_timeouts_seen, verifier_timeouts()
