@@ -38,12 +38,10 @@ def measured(run: dict, warmup_steps: int) -> dict | None:
 
 def mixed_share(run: dict, warmup_steps: int) -> float | None:
     """The realized share of generated groups with mixed on-policy outcomes (dynamic sampling's drop metrics)."""
-    metrics = run.get("metrics", {})
-    correct = metrics.get("armor/dropped_all_correct_frac", [])[warmup_steps:]
-    wrong = metrics.get("armor/dropped_all_wrong_frac", [])[warmup_steps:]
-    if not correct or not wrong:
+    drops = [(correct, wrong) for step, correct, wrong in run.get("dropped_by_step", []) if step > warmup_steps]
+    if not drops:
         return None
-    return 1.0 - statistics.mean(correct) - statistics.mean(wrong)
+    return 1.0 - statistics.mean(c for c, _ in drops) - statistics.mean(w for _, w in drops)
 
 
 def summarize(runs: list, warmup_steps_of) -> dict | None:

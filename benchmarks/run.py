@@ -64,6 +64,11 @@ def run_variant(task: dict) -> dict:
         values = [h[key] for h in trainer.state.log_history if key in h]
         if values:
             result.setdefault("metrics", {})[key] = values
+    # dynamic sampling's drops with their optimizer step (with M > 1 only rollout steps log them)
+    drops = [[h["step"], h["armor/dropped_all_correct_frac"], h["armor/dropped_all_wrong_frac"]]
+             for h in trainer.state.log_history if "armor/dropped_all_correct_frac" in h]
+    if drops:
+        result["dropped_by_step"] = drops
     if variant.armor and trainer.reference is not None and "mini_batches" not in task:
         result.update(_reset_cost(trainer, task["reset_repeats"]))
         result.update(_whatifs(trainer, task))
