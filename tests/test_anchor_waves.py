@@ -306,3 +306,40 @@ def test_same_call_rounds_score_their_candidates_in_waves(tiny_model_path, tiny_
     # K candidates per group come with the policy's call; only eligible groups' are scored, until one passes
     assert counts["candidate_rows"] == K * counts["groups"]
     assert counts["candidates_scored"] <= K * counts["eligible_groups"]
+
+
+def test_rounds_in_which_no_group_looks_do_not_count_as_rounds_without_an_anchor(tiny_model_path, tiny_tokenizer,
+                                                                                  tmp_path):
+    from testing import scripted
+
+    # prompts n % 3 in {0, 1}: every group all correct or all wrong, so no group can be kept by its anchor; a
+    # threshold no candidate reaches. The paper's path looks in every group and stops after 3 empty rounds; here no
+    # group looks, and 4 such rounds say nothing about the verifier.
+    settings = dict(reward_funcs=scripted, max_steps=4, dynamic_sampling=True, dynamic_sampling_max_rounds=1,
+                    anchor_reward_threshold=2.0, anchor_fail_after_rounds=3, anchor_same_call=False)
+    data = numbers_dataset([n for n in range(60) if n % 3 != 2])
+    paper = make_trainer(tiny_model_path, tiny_tokenizer, data, tmp_path / "paper", anchor_eligible_only=False,
+                         **settings)
+    with pytest.raises(ValueError, match="No anchor in the first 3 anchor rounds"):
+        paper.train()
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, data, tmp_path / "eligible", **settings)
+    trainer.train()
+    assert set(logged(trainer, "armor/anchor_eligible_frac")) == {0.0}
+    assert trainer.anchor_rollout.counts["candidate_rows"] == 0 and logged(trainer, "armor/anchor_found_frac") == []
+
+
+def test_lora_reference_draws_waves_with_the_ref_adapter(tiny_model_path, tiny_tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(40)), tmp_path, max_steps=2,
+                           dynamic_sampling=True, anchor_sampling="lazy", anchor_same_call=False,
+                           anchor_fail_after_rounds=0, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    adapters = []
+    generate = trainer.anchor_rollout._reference_candidates
+    trainer.anchor_rollout._reference_candidates = lambda ids, k: adapters.append(trainer.model.active_adapter) or \
+        generate(ids, k)
+    trainer.train()
+    counts = trainer.anchor_rollout.counts
+    assert counts["candidate_rows"] > 0 and counts["candidate_rows"] <= K * counts["eligible_groups"]
+    assert set(adapters) == {"default"}  # π_ref is activated inside each wave's call, and left again after it
+    assert trainer.model.active_adapter == "default"
