@@ -162,10 +162,9 @@ class AnchorRollout:
         counts = verifier_counts(torch.empty(0, len(weights)), weights, args.anchor_reward_threshold)
         generated = scored = fresh_anchors = 0
         if sampled and args.anchor_sampling == "lazy":
-            candidate_ids, rewards, drawn, generated = draw_in_waves(
+            candidate_ids, rewards, drawn, generated, scored = draw_in_waves(
                 self, group_prompt_ids, group_inputs, used, k, candidates,
                 picks_needed(args, self.slots_per_group, self.cache is not None))
-            scored = int(drawn.sum())
         elif sampled:
             candidate_ids, rewards = self._score_candidates(
                 [group_prompt_ids[g] for g in sampled], [group_inputs[g] for g in sampled], k,

@@ -131,15 +131,15 @@ def draw_in_waves(rollout, group_prompt_ids: list, group_inputs: list, used: lis
     """Candidates for the groups ``used`` (indices into the round's groups), one draw per group and wave, a group
     leaving once it holds ``needed`` picks of ``anchor_selection`` (or K draws).
 
-    Returns ``(candidate_ids, rewards, drawn, generated)`` laid out as the eager path's K candidates per used group:
-    candidate ids (None where not drawn), (len(used) × K, reward functions) rewards (NaN where not drawn), the (len(used)
-    × K,) drawn mask, and the candidate rows this process generated (padding draws included). ``candidates``: {group:
+    Returns ``(candidate_ids, rewards, drawn, generated, scored)`` laid out as the eager path's K candidates per used
+    group: candidate ids (None where not drawn), (len(used) × K, reward functions) rewards (NaN where not drawn), the
+    (len(used) × K,) drawn mask, and the candidate rows this process generated and scored (padding draws included). ``candidates``: {group:
     its K candidates} already generated (a same-call round): the waves then only score them.
     """
     trainer, args = rollout.trainer, rollout.args
     weights = trainer.reward_weights
     candidate_ids, drawn = [None] * (len(used) * k), torch.zeros(len(used) * k, dtype=torch.bool)
-    rewards, generated = None, 0
+    rewards, generated, scored_rows = None, 0, 0
     pending = list(range(len(used)))  # positions in used
     with reference_held(rollout, candidates is None):
         for wave in range(k):
@@ -155,6 +155,7 @@ def draw_in_waves(rollout, group_prompt_ids: list, group_inputs: list, used: lis
             else:
                 ids = [candidates[g][wave] for g in groups]
             _, scored = rollout._score_candidates(prompt_ids, [group_inputs[g] for g in groups], 1, ids)
+            scored_rows += len(ids)
             if rewards is None:
                 rewards = torch.full((len(used) * k, scored.size(1)), float("nan"), device=scored.device)
             for row, position in enumerate(positions[: len(pending)]):
@@ -163,7 +164,7 @@ def draw_in_waves(rollout, group_prompt_ids: list, group_inputs: list, used: lis
             pending = [p for p in pending if _picks(rollout, rewards, drawn, p, k) < needed]
     if rewards is None:  # nothing drawn anywhere
         rewards = torch.full((len(used) * k, len(weights)), float("nan"))
-    return candidate_ids, rewards, drawn, generated
+    return candidate_ids, rewards, drawn, generated, scored_rows
 
 
 def _picks(rollout, rewards: torch.Tensor, drawn: torch.Tensor, position: int, k: int) -> int:

@@ -211,8 +211,8 @@ def eager_anchors(rollout, groups, k=K):
 
 
 def lazy_anchors(rollout, groups, k=K):
-    ids, rewards, drawn, generated = anchor_waves.draw_in_waves(rollout, [[0]] * groups, [{}] * groups,
-                                                                list(range(groups)), k, None, 1)
+    ids, rewards, drawn, generated, _ = anchor_waves.draw_in_waves(rollout, [[0]] * groups, [{}] * groups,
+                                                                   list(range(groups)), k, None, 1)
     chosen, _ = select_anchors(rewards, torch.ones(1), k, 1.0, 1, rollout.args.anchor_selection)
     assert all(drawn[g * k + int(c)] for g, c in enumerate(chosen[:, 0]) if c >= 0)  # never an undrawn pick
     return [ids[g * k + int(c)][0] if c >= 0 else None for g, c in enumerate(chosen[:, 0])], generated
@@ -247,9 +247,10 @@ def test_every_wave_takes_the_largest_count_of_any_process():
     # the other process still needs 3, 2, 1 and then 0 draws: this one pads its waves to those counts
     rollout = FakeRollout(0, processes=[3, 2, 1, 0])
     rollout.args.anchor_reward_threshold = math.inf  # nothing passes here: every local group draws all K
-    ids, rewards, drawn, generated = anchor_waves.draw_in_waves(rollout, [[0]] * 2, [{}] * 2, [0, 1], K, None, 1)
+    ids, rewards, drawn, generated, scored = anchor_waves.draw_in_waves(rollout, [[0]] * 2, [{}] * 2, [0, 1], K, None,
+                                                                        1)
     assert rollout.rows_per_call == [3, 2, 2, 2]  # max(local 2, other's) per wave; local needs K = 4 waves
-    assert generated == 9 and drawn.tolist() == [True] * (2 * K)  # padding draws are generated, never kept
+    assert generated == scored == 9 and drawn.tolist() == [True] * (2 * K)  # padding: generated, scored, not kept
     rollout = FakeRollout(0, processes=[0, 0, 0, 0])
     anchor_waves.draw_in_waves(rollout, [[0]], [{}], [], K, None, 1)  # nothing local: it stops when no process draws
     assert rollout.rows_per_call == []
@@ -343,3 +344,36 @@ def test_lora_reference_draws_waves_with_the_ref_adapter(tiny_model_path, tiny_t
     assert counts["candidate_rows"] > 0 and counts["candidate_rows"] <= K * counts["eligible_groups"]
     assert set(adapters) == {"default"}  # π_ref is activated inside each wave's call, and left again after it
     assert trainer.model.active_adapter == "default"
+
+
+@pytest.mark.parametrize("sampling", ["eager", "lazy"])
+def test_processes_sample_as_many_rows_as_the_busiest_one(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch,
+                                                          sampling):
+    # one process of two: it holds 4 groups, 2 of them eligible; the other process (simulated by the gather) has 2 more
+    # groups to sample than this one in every call, so this one pads its calls with repeated groups, discarded
+    from testing import count_reference_rows
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path, dynamic_sampling=True,
+                           anchor_sampling=sampling, anchor_reward_threshold=2.0)  # nothing passes: K draws each
+    rollout = trainer.anchor_rollout
+    def gather(tensor):  # the other process: 2 more groups to sample (counts are integer tensors of one element)
+        other = tensor + 2 if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() == 1 else tensor
+        return torch.cat([tensor, other])
+
+    monkeypatch.setattr(trainer.accelerator, "gather", gather)
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    rows = count_reference_rows(monkeypatch, trainer)
+    prompts = [f"{n}+{n + 1}=" for n in range(4)]
+    prompt_ids = [tiny_tokenizer(p)["input_ids"] for p in prompts]
+    eligible = torch.tensor([True, False, True, False])
+    fillers = [[7, 8], [9], [10], [11, 12]]
+    anchors, anchor_round = rollout.sample(prompt_ids, [{"prompt": p} for p in prompts], eligible=eligible,
+                                           fillers=fillers)
+    if sampling == "eager":
+        assert rows == [(2 + 2) * K]  # one call: 2 groups + 2 padding groups, K candidates each
+    else:
+        assert rows == [2 + 2] * K  # K waves of the 2 local groups + 2 padding rows
+    assert rollout.counts["candidate_rows"] == sum(rows) and rollout.counts["candidates_scored"] == sum(rows)
+    assert anchors[1] == [9] and anchors[3] == [11, 12]  # left-out groups keep their filler; no anchor anywhere
+    assert anchor_round.has_anchor.tolist() == [False] * 4 and anchor_round.eligible.tolist() == eligible.tolist()
+    assert len(anchor_round.candidates_verified) == 2 * K  # the local groups' candidates only, padding discarded
