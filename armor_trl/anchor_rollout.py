@@ -75,7 +75,8 @@ class AnchorRollout:
             )
         # scored first where some groups' fate cannot depend on their anchor (they then get no candidates)
         self.on_policy_scores, eligible = None, None
-        if filters_groups(self.args) and not (self.column is not None and self.column.active(self.trainer.reference.resets)):
+        column = self.column is not None and self.column.active(self.trainer.reference.resets)
+        if filters_groups(self.args) and not column:
             self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots)
             eligible = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots)
         fillers = [on_policy_ids[g * (group_size - slots)] for g in range(len(firsts))]

@@ -31,6 +31,7 @@ import torch
 from . import trl_seam as seam
 from .advantages import dynamic_sampling_keep, total_rewards
 from .anchors import policy_rows, verified_mask
+from .vllm_swap import reference_in_engine
 
 
 # --- eligibility ---------------------------------------------------------------------------------------------------
@@ -133,11 +134,10 @@ def draw_in_waves(rollout, group_prompt_ids: list, group_inputs: list, used: lis
 
     Returns ``(candidate_ids, rewards, drawn, generated, scored)`` laid out as the eager path's K candidates per used
     group: candidate ids (None where not drawn), (len(used) × K, reward functions) rewards (NaN where not drawn), the
-    (len(used) × K,) drawn mask, and the candidate rows this process generated and scored (padding draws included). ``candidates``: {group:
-    its K candidates} already generated (a same-call round): the waves then only score them.
+    (len(used) × K,) drawn mask, and the candidate rows this process generated and scored (padding draws included).
+    ``candidates``: {group: its K candidates} already generated (a same-call round): the waves then only score them.
     """
-    trainer, args = rollout.trainer, rollout.args
-    weights = trainer.reward_weights
+    trainer = rollout.trainer
     candidate_ids, drawn = [None] * (len(used) * k), torch.zeros(len(used) * k, dtype=torch.bool)
     rewards, generated, scored_rows = None, 0, 0
     pending = list(range(len(used)))  # positions in used
@@ -161,20 +161,20 @@ def draw_in_waves(rollout, group_prompt_ids: list, group_inputs: list, used: lis
             for row, position in enumerate(positions[: len(pending)]):
                 index = position * k + wave
                 candidate_ids[index], rewards[index], drawn[index] = ids[row], scored[row], True
-            pending = [p for p in pending if _picks(rollout, rewards, drawn, p, k) < needed]
+            picks = _picks(rollout, rewards, drawn, k)
+            pending = [p for p in pending if picks[p] < needed]
     if rewards is None:  # nothing drawn anywhere
-        rewards = torch.full((len(used) * k, len(weights)), float("nan"))
+        rewards = torch.full((len(used) * k, len(trainer.reward_weights)), float("nan"))
     return candidate_ids, rewards, drawn, generated, scored_rows
 
 
-def _picks(rollout, rewards: torch.Tensor, drawn: torch.Tensor, position: int, k: int) -> int:
-    """How many of a group's drawn candidates ``anchor_selection`` would pick."""
-    args, span = rollout.args, slice(position * k, (position + 1) * k)
-    mask = drawn[span].to(rewards.device)
-    verified = verified_mask(rewards[span], rollout.trainer.reward_weights.to(rewards.device),
-                             args.anchor_reward_threshold, rollout.funcs) & mask
+def _picks(rollout, rewards: torch.Tensor, drawn: torch.Tensor, k: int) -> list[int]:
+    """Per used group, how many of its drawn candidates ``anchor_selection`` would pick."""
+    args, mask = rollout.args, drawn.to(rewards.device)
+    verified = verified_mask(rewards, rollout.trainer.reward_weights.to(rewards.device), args.anchor_reward_threshold,
+                             rollout.funcs) & mask
     picks = {"correct": verified, "any": mask, "incorrect": mask & ~verified}[args.anchor_selection]
-    return int(picks.sum())
+    return picks.view(-1, k).sum(dim=1).tolist()
 
 
 @contextlib.contextmanager
@@ -185,7 +185,5 @@ def reference_held(rollout, generating: bool):
     if not generating or not trainer.use_vllm or trainer.reference_server is not None:
         yield
         return
-    from .vllm_swap import reference_in_engine
-
     with reference_in_engine(trainer):
         yield
