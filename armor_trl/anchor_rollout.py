@@ -7,6 +7,10 @@ the completions in TRL's row order and an :class:`~armor_trl.anchors.AnchorRound
 
 Same-call rounds (``anchor_same_call``): when π_ref holds the weights that generate the round, the candidates are
 extra rows of the policy's own generate call instead of a second call on π_ref (docs/performance.md).
+
+Which groups get candidates and how they are drawn (``anchor_eligible_only``, ``anchor_sampling``) is
+:mod:`~armor_trl.anchor_waves`: where a group's fate can be independent of its anchor the on-policy rows are scored
+first and only eligible groups sample; lazy rounds draw in waves.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ How one generation round differs from GRPO (train mode, ARMOR on):
 1. ``_generate_single_turn``: G − m on-policy completions per group, and m anchors per group from π_ref
    (:class:`~armor_trl.anchor_rollout.AnchorRollout`: sampled, verified with the trainer's reward functions, placed
    in the group's last rows). TRL computes rewards and advantages with the anchors as group members; the anchors keep
-   the scores they were verified with (``_calculate_rewards``).
+   the scores they were verified with, and on-policy rows scored before the candidates were drawn (only groups whose
+   fate an anchor can change get candidates, :mod:`~armor_trl.anchor_waves`) keep theirs (``_calculate_rewards``).
 2. ``_generate_and_score_completions``: π_ref's per-token log-probs and an anchor flag join the batch (they travel
    with their rows through TRL's shuffle and split); groups are masked per ``anchor_filter``; dynamic sampling and
    QAE recompute advantages where asked for.

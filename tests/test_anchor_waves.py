@@ -265,10 +265,13 @@ def counting_reward(calls):
     return digit
 
 
-@pytest.mark.parametrize("sampling", ["eager", "lazy"])
-def test_no_reward_function_runs_twice_on_a_row(tiny_model_path, tiny_tokenizer, tmp_path, sampling):
+@pytest.mark.parametrize("sampling, chat", [("eager", False), ("lazy", False), ("lazy", True)])
+def test_no_reward_function_runs_twice_on_a_row(tiny_model_path, tiny_tokenizer, tmp_path, sampling, chat):
     calls = []
-    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(40)), tmp_path,
+    data = numbers_dataset(range(40))
+    if chat:  # chat prompts: the completions handed to the reward functions are messages, decoded as TRL does
+        data = data.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, data, tmp_path,
                            reward_funcs=counting_reward(calls), max_steps=2, dynamic_sampling=True,
                            anchor_sampling=sampling, anchor_fail_after_rounds=0)
     rounds = []
