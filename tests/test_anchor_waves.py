@@ -134,7 +134,8 @@ GATES = ("armor/groups_kept_frac", "armor/dropped_all_correct_frac", "armor/drop
     dict(dynamic_sampling_keep_unsolved=True),
     dict(anchors_per_group=2),  # half-group style: two picks per group
     dict(anchor_cache=True),
-], ids=["gate", "keep", "keep_unsolved", "two_anchors", "cache"])
+    dict(anchor_cache=True, ref_reset_steps=1),  # the cache is emptied at every reset
+], ids=["gate", "keep", "keep_unsolved", "two_anchors", "cache", "cache_resets"])
 @pytest.mark.parametrize("sampling, eligible_only", [("eager", True), ("lazy", True), ("lazy", False)])
 def test_kept_groups_anchors_gate_and_loss_equal_the_eager_path(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch,
                                                                 fields, sampling, eligible_only):
