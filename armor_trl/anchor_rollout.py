@@ -210,7 +210,8 @@ class AnchorRollout:
             has_anchor=found.any(dim=1),  # per group
             reward=reward.flatten().to(device),
             candidates_verified=verified_frac.to(device),
-            cache_hits=torch.tensor([sum(hit is not None for hit in cached), groups], device=device, dtype=torch.float),
+            cache_hits=torch.tensor([sum(hit is not None for hit in cached), sum(looks)], device=device,
+                                    dtype=torch.float),  # over the groups that looked for an anchor
             rewards_per_func=scores.flatten(0, 1)[: groups * self.slots_per_group].to(device),
             best_candidate_reward=best_candidate,
             verifier_counts=counts.to(device),

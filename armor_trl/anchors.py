@@ -23,7 +23,7 @@ class AnchorRound:
     which is no member of its group); ``has_anchor`` (groups,) whether the group found one; ``reward`` (anchor slots,)
     the anchor's weighted reward, NaN where none; ``rewards_per_func`` (anchor slots, reward functions) the scores of
     the anchors that were scored when they were picked (None: TRL scores them with the group, column anchors);
-    ``candidates_verified`` (candidates,) the verdict on each fresh candidate; ``cache_hits`` (hits, groups);
+    ``candidates_verified`` (candidates,) the verdict on each fresh candidate; ``cache_hits`` (hits, groups that looked for an anchor);
     ``best_candidate_reward`` the highest weighted reward among the fresh candidates (NaN: none sampled);
     ``verifier_counts`` what the fresh candidates say about the verifier (:func:`verifier_counts`); ``eligible``
     (groups,) the groups that looked for an anchor, the others' fate not depending on one (None: every group,

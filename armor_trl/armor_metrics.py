@@ -66,7 +66,7 @@ class ArmorMetrics:
         self.log("armor/candidates_verified_frac", share(verified_sum, verified_count))
         if cache is not None:
             hits, groups = trainer.accelerator.reduce(anchors.cache_hits, reduction="sum").tolist()
-            self.log("armor/anchor_cache_hit_frac", hits / groups)
+            self.log("armor/anchor_cache_hit_frac", share(hits, groups))
             self.log("armor/anchor_cache_size", len(cache))
 
     def _check_anchors_found(self, found: bool, best_reward: float, anchor_filter: str, threshold: float) -> None:

@@ -313,15 +313,17 @@ def test_same_call_rounds_score_their_candidates_in_waves(tiny_model_path, tiny_
     assert counts["candidates_scored"] <= K * counts["eligible_groups"]
 
 
+@pytest.mark.parametrize("cache", [False, True])
 def test_rounds_in_which_no_group_looks_do_not_count_as_rounds_without_an_anchor(tiny_model_path, tiny_tokenizer,
-                                                                                  tmp_path):
+                                                                                  tmp_path, cache):
     from testing import scripted
 
     # prompts n % 3 in {0, 1}: every group all correct or all wrong, so no group can be kept by its anchor; a
     # threshold no candidate reaches. The paper's path looks in every group and stops after 3 empty rounds; here no
     # group looks, and 4 such rounds say nothing about the verifier.
     settings = dict(reward_funcs=scripted, max_steps=4, dynamic_sampling=True, dynamic_sampling_max_rounds=1,
-                    anchor_reward_threshold=2.0, anchor_fail_after_rounds=3, anchor_same_call=False)
+                    anchor_reward_threshold=2.0, anchor_fail_after_rounds=3, anchor_same_call=False,
+                    anchor_cache=cache)
     data = numbers_dataset([n for n in range(60) if n % 3 != 2])
     paper = make_trainer(tiny_model_path, tiny_tokenizer, data, tmp_path / "paper", anchor_eligible_only=False,
                          **settings)
@@ -331,6 +333,7 @@ def test_rounds_in_which_no_group_looks_do_not_count_as_rounds_without_an_anchor
     trainer.train()
     assert set(logged(trainer, "armor/anchor_eligible_frac")) == {0.0}
     assert trainer.anchor_rollout.counts["candidate_rows"] == 0 and logged(trainer, "armor/anchor_found_frac") == []
+    assert logged(trainer, "armor/anchor_cache_hit_frac") == []  # no group looked: no share to log
 
 
 def test_lora_reference_draws_waves_with_the_ref_adapter(tiny_model_path, tiny_tokenizer, tmp_path):
