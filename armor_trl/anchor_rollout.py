@@ -7,11 +7,16 @@ the completions in TRL's row order and an :class:`~armor_trl.anchors.AnchorRound
 
 Same-call rounds (``anchor_same_call``): when π_ref holds the weights that generate the round, the candidates are
 extra rows of the policy's own generate call instead of a second call on π_ref (docs/performance.md).
+
+Which groups get candidates and how they are drawn (``anchor_eligible_only``, ``anchor_sampling``) is
+:mod:`~armor_trl.anchor_waves`: where a group's fate can be independent of its anchor the on-policy rows are scored
+first and only eligible groups sample; lazy rounds draw in waves.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -19,6 +24,7 @@ from . import trl_seam as seam
 from .advantages import total_rewards
 from .anchors import (AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask,
                       verifier_counts)
+from .anchor_waves import draw_in_waves, filters_groups, picks_needed, round_eligibility, score_on_policy
 from .column_anchors import ColumnAnchors, verify_round
 from .loss_rows import drop_rows
 from .vllm_swap import neutral_sampling_logprobs, reference_in_engine
@@ -34,6 +40,10 @@ class AnchorRollout:
         self.slots_per_group = 0 if args.anchor_gate_only else args.anchors_per_group
         self.funcs = trainer.verifier_funcs  # the reward functions that verify a candidate (None: all)
         self.same_call_round = False  # whether the last round's candidates came from the policy's own call
+        self.on_policy_scores = None  # the round's on-policy rows scored before its candidates (anchor_waves)
+        # this process's running totals: candidate rows generated and scored, groups that found an anchor among
+        # fresh candidates, groups and eligible groups of sampled rounds (the bench reads them)
+        self.counts = Counter()
         self.cache = AnchorCache(args.anchor_cache_size, args.anchor_cache_per_prompt) if args.anchor_cache else None
         self.column = None
         if args.anchor_source == "column":
@@ -59,15 +69,22 @@ class AnchorRollout:
         group_prompt_ids, group_inputs = [prompt_ids[i] for i in firsts], [inputs[i] for i in firsts]
         self.same_call_round = self.same_call_applies()
         seam.log_metric(self.trainer, "armor/anchor_same_call", float(self.same_call_round))
+        candidates = None
         if self.same_call_round:
             on_policy_ids, on_policy_logprobs, candidates = self._same_call(generate_policy, group_prompt_ids,
                                                                             group_size - slots)
-            anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs, candidates)
         else:
             on_policy_ids, on_policy_logprobs = generate_policy(
                 [prompt_ids[i] for i in policy_rows(rows, group_size, slots)], group_size - slots
             )
-            anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs)
+        # scored first where some groups' fate cannot depend on their anchor (they then get no candidates)
+        self.on_policy_scores, eligible = None, None
+        column = self.column is not None and self.column.active(self.trainer.reference.resets)
+        if filters_groups(self.args) and not column:
+            self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots)
+            eligible = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots)
+        fillers = [on_policy_ids[g * (group_size - slots)] for g in range(len(firsts))]
+        anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs, candidates, eligible=eligible, fillers=fillers)
         if not slots:  # anchor_gate_only: the anchors decided the gate and are not trained
             return on_policy_ids, on_policy_logprobs, anchors
         logprobs = None
@@ -102,31 +119,34 @@ class AnchorRollout:
                 on_policy_logprobs += logprobs[g * n : g * n + per_group]
         return on_policy, on_policy_logprobs, candidates
 
-    def sample(self, group_prompt_ids: list, group_inputs: list[dict], candidates: dict | None = None
-               ) -> tuple[list, AnchorRound]:
+    def sample(self, group_prompt_ids: list, group_inputs: list[dict], candidates: dict | None = None,
+               eligible: torch.Tensor | None = None, fillers: list | None = None) -> tuple[list, AnchorRound]:
         """``max(anchor slots, 1)`` anchors per group, group after group: from the cache, the column, or picked from K
         reference candidates per ``anchor_selection`` (``candidates``: {group: its K candidates}, already sampled in
-        the policy's call; else sampled here). Where no candidate is eligible the slot still gets one (so
-        shapes stay fixed) and ``found`` marks it; it is then no member of its group."""
+        the policy's call; else sampled here, all K at once or in waves per ``anchor_sampling``). Where no candidate
+        is eligible the slot still gets one (so shapes stay fixed) and ``found`` marks it; it is then no member of its
+        group. ``eligible`` (groups,): only these groups look for an anchor (None: all); the others' slots hold their
+        ``fillers`` (one on-policy completion of the group each)."""
         trainer, args = self.trainer, self.args
         device = trainer.accelerator.device
         if self.column is not None and self.column.active(trainer.reference.resets):
             return self.column.round_anchors(group_prompt_ids, group_inputs, device)
         k, per_group, groups = args.anchor_num_samples, max(self.slots_per_group, 1), len(group_prompt_ids)
+        looks = [True] * groups if eligible is None else eligible.tolist()
         cached, known_failures = [None] * groups, [None] * groups
         if self.cache is not None:
             self.cache.sync(trainer.reference.resets)
-            cached = [self.cache.get(ids) for ids in group_prompt_ids]
+            cached = [self.cache.get(ids) if look else None for ids, look in zip(group_prompt_ids, looks)]
             if args.anchor_cache_failures:
                 known_failures = [
-                    None if hit is not None else self.cache.known_failure(ids, args.anchor_failure_retry_every)
-                    for ids, hit in zip(group_prompt_ids, cached)
+                    None if hit is not None or not look else self.cache.known_failure(ids, args.anchor_failure_retry_every)
+                    for ids, hit, look in zip(group_prompt_ids, cached, looks)
                 ]
-        to_sample = [g for g in range(groups) if cached[g] is None and known_failures[g] is None]
+        to_sample = [g for g in range(groups) if looks[g] and cached[g] is None and known_failures[g] is None]
         # Generation and scoring are collective (ZeRO-3 gathers, rewards are gathered): every process samples
         # the same number of groups. Spare places retry remembered failures, then repeat a group (discarded).
         rounds = len(to_sample)
-        if self.cache is not None:
+        if self.cache is not None or eligible is not None:
             rounds = int(trainer.accelerator.gather(torch.tensor([rounds], device=device)).max())
         retried = [g for g in range(groups) if known_failures[g] is not None][: max(rounds - len(to_sample), 0)]
         used = to_sample + retried
@@ -136,36 +156,55 @@ class AnchorRollout:
         anchors = [[None] * per_group for _ in range(groups)]
         scores = torch.full((groups, per_group, len(weights)), float("nan"))  # per reward function
         for g in range(groups):
-            if cached[g] is not None:
+            if not looks[g]:
+                anchors[g] = [fillers[g]] * per_group  # fills the slots; the group's fate does not need an anchor
+            elif cached[g] is not None:
                 anchors[g][0], scores[g, 0] = cached[g][0], torch.tensor(cached[g][1])
             elif known_failures[g] is not None and g not in retried:
                 anchors[g][0] = known_failures[g]  # fills the slot; the group has no anchor this round
         found = torch.tensor([[cached[g] is not None] + [False] * (per_group - 1) for g in range(groups)])
         verified_frac, best_candidate = torch.empty(0), math.nan
         counts = verifier_counts(torch.empty(0, len(weights)), weights, args.anchor_reward_threshold)
-        if sampled:
+        generated = scored = fresh_anchors = 0
+        if sampled and args.anchor_sampling == "lazy":
+            candidate_ids, rewards, drawn, generated, scored = draw_in_waves(
+                self, group_prompt_ids, group_inputs, used, k, candidates,
+                picks_needed(args, self.slots_per_group, self.cache is not None))
+        elif sampled:
             candidate_ids, rewards = self._score_candidates(
                 [group_prompt_ids[g] for g in sampled], [group_inputs[g] for g in sampled], k,
                 None if candidates is None else [ids for g in sampled for ids in candidates[g]],
             )
+            drawn = torch.ones(len(used) * k, dtype=torch.bool)
+            generated = 0 if candidates is not None else len(candidate_ids)
+            scored = len(candidate_ids)
+        if sampled:
             weights = weights.to(rewards.device)
             chosen, _ = select_anchors(rewards, weights, k, args.anchor_reward_threshold, per_group,
                                        args.anchor_selection, self.funcs)
             verified = verified_mask(rewards, weights, args.anchor_reward_threshold, self.funcs)
-            verified_frac = verified.float()[: len(used) * k]
-            best_candidate = (torch.nan_to_num(rewards) * weights).sum(dim=1).max().item()
+            fresh = drawn.to(rewards.device)  # this round's drawn candidates of the groups used
+            verified_frac = verified[: len(used) * k][fresh].float()
+            totals = (torch.nan_to_num(rewards) * weights).sum(dim=1)
+            best_candidate = (totals if args.anchor_sampling == "eager" else totals[: len(used) * k][fresh]).max().item()
             texts = seam.decode(trainer, candidate_ids[: len(used) * k], False)
-            counts = verifier_counts(rewards[: len(used) * k], weights, args.anchor_reward_threshold, self.funcs,
-                                     empty=torch.tensor([not text.strip() for text in texts], dtype=torch.bool))
+            empty = torch.tensor([not text.strip() for text in texts], dtype=torch.bool)[fresh.cpu()]
+            counts = verifier_counts(rewards[: len(used) * k][fresh], weights, args.anchor_reward_threshold, self.funcs,
+                                     empty=empty)
             for position, g in enumerate(used):
                 for slot in range(per_group):
                     index = int(chosen[position, slot])
                     anchors[g][slot] = candidate_ids[position * k + max(index, 0)]
                     if index >= 0:
                         scores[g, slot], found[g, slot] = rewards[position * k + index].cpu(), True
+                fresh_anchors += int(found[g].any())
                 if self.cache is not None:
                     self._remember(g, group_prompt_ids[g], anchors, scores, found, candidate_ids, rewards, verified,
                                    range(position * k, (position + 1) * k))
+        if candidates is not None:  # a same-call round generated K candidates for every group in the policy's call
+            generated = k * groups
+        self.counts.update(candidate_rows=generated, candidates_scored=scored, anchors_from_candidates=fresh_anchors,
+                           groups=groups, eligible_groups=sum(looks), rounds=1)
         weighted = (torch.nan_to_num(scores) * trainer.reward_weights.cpu()).sum(dim=2)
         reward = torch.where(found, weighted, torch.full_like(weighted, float("nan")))
         found = found.to(device)
@@ -174,10 +213,13 @@ class AnchorRollout:
             has_anchor=found.any(dim=1),  # per group
             reward=reward.flatten().to(device),
             candidates_verified=verified_frac.to(device),
-            cache_hits=torch.tensor([sum(hit is not None for hit in cached), groups], device=device, dtype=torch.float),
+            cache_hits=torch.tensor([sum(hit is not None for hit in cached), sum(looks)], device=device,
+                                    dtype=torch.float),  # over the groups that looked for an anchor
             rewards_per_func=scores.flatten(0, 1)[: groups * self.slots_per_group].to(device),
             best_candidate_reward=best_candidate,
             verifier_counts=counts.to(device),
+            eligible=None if eligible is None else eligible.to(device),
+            candidate_rows=torch.tensor([float(generated), float(scored)], device=device),
         )
         return [ids for group in anchors for ids in group], anchor_round
 
@@ -237,6 +279,19 @@ class AnchorRollout:
         if anchors is not None:
             empty[self.slot_rows(rows, device)[~anchors.found.to(device)]] = True
         return empty
+
+    def reusing_scores(self, score):
+        """``score`` (TRL's scoring), except that rows already scored before the candidates were drawn
+        (:func:`~armor_trl.anchor_waves.score_on_policy`) keep those rewards: no reward function runs twice."""
+        early, self.on_policy_scores = self.on_policy_scores, None
+        if early is None:
+            return score
+
+        def scored_once(inputs, prompts, completions, completion_ids):
+            reused = early.reuse(self.trainer, completions, completion_ids)
+            return reused if reused is not None else score(inputs, prompts, completions, completion_ids)
+
+        return scored_once
 
     def score_round(self, score, inputs, prompts, completions, completion_ids, anchors: AnchorRound):
         """TRL's reward tensor (all processes' rows, reward functions) of a round whose anchors were scored when they

@@ -23,9 +23,12 @@ class AnchorRound:
     which is no member of its group); ``has_anchor`` (groups,) whether the group found one; ``reward`` (anchor slots,)
     the anchor's weighted reward, NaN where none; ``rewards_per_func`` (anchor slots, reward functions) the scores of
     the anchors that were scored when they were picked (None: TRL scores them with the group, column anchors);
-    ``candidates_verified`` (candidates,) the verdict on each fresh candidate; ``cache_hits`` (hits, groups);
+    ``candidates_verified`` (candidates,) the verdict on each fresh candidate; ``cache_hits`` (hits, groups that looked for an anchor);
     ``best_candidate_reward`` the highest weighted reward among the fresh candidates (NaN: none sampled);
-    ``verifier_counts`` what the fresh candidates say about the verifier (:func:`verifier_counts`).
+    ``verifier_counts`` what the fresh candidates say about the verifier (:func:`verifier_counts`); ``eligible``
+    (groups,) the groups that looked for an anchor, the others' fate not depending on one (None: every group,
+    :mod:`~armor_trl.anchor_waves`); ``candidate_rows`` the candidate rows this process generated (padding for other
+    processes included) and scored this round.
     """
 
     found: torch.Tensor
@@ -37,6 +40,8 @@ class AnchorRound:
     column: bool = False
     best_candidate_reward: float = float("nan")  # the highest weighted reward of this round's fresh candidates
     verifier_counts: torch.Tensor | None = None  # verifier_counts() of the fresh candidates (None: column anchors)
+    eligible: torch.Tensor | None = None  # (groups,) the groups that looked for an anchor (None: all of them)
+    candidate_rows: torch.Tensor | None = None  # (2,) candidate rows generated and scored by this process this round
 
 
 def anchor_rows(num_rows: int, num_generations: int, anchors_per_group: int = 1) -> list[int]:

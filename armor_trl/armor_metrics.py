@@ -39,12 +39,28 @@ class ArmorMetrics:
         seam.log_metric(self.trainer, name, value)
 
     def anchor_round(self, anchors, anchor_filter: str, threshold: float, cache) -> None:
+        """The round's anchor metrics. ``anchor_found_frac`` is over the groups that looked for an anchor (all of them
+        unless ``anchor_eligible_only`` left some out, :mod:`~armor_trl.anchor_waves`); a round where none looked does
+        not count towards ``anchor_fail_after_rounds``."""
         trainer = self.trainer
         has_anchor = trainer.accelerator.gather(anchors.has_anchor.float())
-        self.log("armor/anchor_found_frac", has_anchor.mean().item())
-        self._check_anchors_found(has_anchor.sum().item() > 0, anchors.best_candidate_reward, anchor_filter, threshold)
+        looked = torch.ones_like(has_anchor) if anchors.eligible is None else trainer.accelerator.gather(
+            anchors.eligible.float())
+        searched = looked.sum().item()
+        self.log("armor/anchor_found_frac", share((has_anchor * looked).sum().item(), searched))
+        if anchors.eligible is not None:
+            self.log("armor/anchor_eligible_frac", looked.mean().item())
+        if anchors.candidate_rows is not None:
+            generated, scored = trainer.accelerator.reduce(anchors.candidate_rows.float(), reduction="sum").tolist()
+            self.log("armor/anchor_candidate_rows", generated)
+            self.log("armor/anchor_candidates_scored", scored)
+        if searched:
+            self._check_anchors_found(has_anchor.sum().item() > 0, anchors.best_candidate_reward, anchor_filter,
+                                      threshold)
         self._check_verifier_can_say_correct(anchors.verifier_counts, threshold)
-        self.log("armor/groups_dropped_frac", 1.0 - has_anchor.mean().item() if anchor_filter == "drop" else 0.0)
+        # the share of groups the gate drops: those that looked for an anchor and found none
+        dropped = (looked * (1.0 - has_anchor)).mean().item()
+        self.log("armor/groups_dropped_frac", dropped if anchor_filter == "drop" else 0.0)
         self.log("armor/anchor_reward_mean", torch.nanmean(trainer.accelerator.gather(anchors.reward)).item())
         verified = anchors.candidates_verified
         verified_sum, verified_count = self._sums([verified.sum(), torch.tensor(float(verified.numel()),
@@ -52,7 +68,7 @@ class ArmorMetrics:
         self.log("armor/candidates_verified_frac", share(verified_sum, verified_count))
         if cache is not None:
             hits, groups = trainer.accelerator.reduce(anchors.cache_hits, reduction="sum").tolist()
-            self.log("armor/anchor_cache_hit_frac", hits / groups)
+            self.log("armor/anchor_cache_hit_frac", share(hits, groups))
             self.log("armor/anchor_cache_size", len(cache))
 
     def _check_anchors_found(self, found: bool, best_reward: float, anchor_filter: str, threshold: float) -> None:

@@ -17,6 +17,7 @@ ANCHOR_FILTERS = ("drop", "keep")
 ANCHOR_SELECTIONS = ("correct", "any", "incorrect")
 COLLAPSE_GUARD_ACTIONS = ("stop", "armor", "rollback")
 ANCHOR_SOURCES = ("reference", "column")
+ANCHOR_SAMPLINGS = ("eager", "lazy")
 VLLM_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -320,6 +321,32 @@ class ArmorConfig(GRPOConfig):
             "candidates in a separate call."
         },
     )
+    anchor_sampling: str = field(
+        default="eager",
+        metadata={
+            "help": "How a group's reference candidates are drawn. 'eager': all `anchor_num_samples` at once (the "
+            "paper). 'lazy': in waves, one candidate per group, then one more only for the groups that have not yet "
+            "found what `anchor_selection` picks (with `anchor_cache_per_prompt` > 1: as many verified ones as the "
+            "cache keeps), at most `anchor_num_samples` in all, π_ref's weights loaded once for all waves of a round. "
+            "The anchor is the same kind of draw (the first of π_ref's samples that passes) with the same chance of "
+            "finding one; fewer candidate rows, up to `anchor_num_samples` generate calls per round. In a same-call "
+            "round the K candidates are generated in the policy's call either way and 'lazy' scores them in waves. "
+            "Logged as `armor/anchor_candidate_rows` (docs/performance.md).",
+            "choices": list(ANCHOR_SAMPLINGS),
+        },
+    )
+    anchor_eligible_only: bool = field(
+        default=True,
+        metadata={
+            "help": "Draw reference candidates only for the groups whose fate an anchor can change. With "
+            "`dynamic_sampling` (and with `anchor_gate_only` plus `anchor_filter='keep'`) a round's on-policy rows are "
+            "scored first, and a group the keep rule drops whatever its anchor (on-policy rewards all equal; with "
+            "`dynamic_sampling_keep_unsolved` all equal and solved) gets no candidates; TRL's scoring of the round "
+            "reuses those rewards, so no reward function runs twice. The kept batch and the loss are unchanged "
+            "(docs/algorithm.md, 'Which groups get candidates'). Without dynamic sampling every group is eligible. "
+            "Logged as `armor/anchor_eligible_frac`. False: candidates for every group, as the paper."
+        },
+    )
     anchor_column: str = field(
         default="anchors",
         metadata={
@@ -515,6 +542,8 @@ class ArmorConfig(GRPOConfig):
                 "dynamic_sampling and advantage_quantile need multi_objective_aggregation='sum_then_normalize' (they "
                 f"recompute group advantages from summed rewards), got {self.multi_objective_aggregation!r}."
             )
+        if self.anchor_sampling not in ANCHOR_SAMPLINGS:
+            raise ValueError(f"anchor_sampling must be one of {list(ANCHOR_SAMPLINGS)}, got {self.anchor_sampling!r}.")
         if self.anchor_selection not in ANCHOR_SELECTIONS:
             raise ValueError(f"anchor_selection must be one of {list(ANCHOR_SELECTIONS)}, got {self.anchor_selection!r}.")
         if not 1 <= self.anchors_per_group < self.num_generations:

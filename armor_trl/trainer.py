@@ -5,7 +5,8 @@ How one generation round differs from GRPO (train mode, ARMOR on):
 1. ``_generate_single_turn``: G − m on-policy completions per group, and m anchors per group from π_ref
    (:class:`~armor_trl.anchor_rollout.AnchorRollout`: sampled, verified with the trainer's reward functions, placed
    in the group's last rows). TRL computes rewards and advantages with the anchors as group members; the anchors keep
-   the scores they were verified with (``_calculate_rewards``).
+   the scores they were verified with, and on-policy rows scored before the candidates were drawn (only groups whose
+   fate an anchor can change get candidates, :mod:`~armor_trl.anchor_waves`) keep theirs (``_calculate_rewards``).
 2. ``_generate_and_score_completions``: π_ref's per-token log-probs and an anchor flag join the batch (they travel
    with their rows through TRL's shuffle and split); groups are masked per ``anchor_filter``; dynamic sampling and
    QAE recompute advantages where asked for.
@@ -290,11 +291,11 @@ class ArmorGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         anchors, rollout = self._round.anchors, self.anchor_rollout
+        score = super()._calculate_rewards if rollout is None else rollout.reusing_scores(super()._calculate_rewards)
         if anchors is not None and anchors.rewards_per_func is not None and rollout.slots_per_group:
-            rewards = rollout.score_round(super()._calculate_rewards, inputs, prompts, completions,
-                                          completion_ids_list, anchors)
+            rewards = rollout.score_round(score, inputs, prompts, completions, completion_ids_list, anchors)
         else:
-            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            rewards = score(inputs, prompts, completions, completion_ids_list)
         self._round.rewards = rewards
         if self._uses_verifier:  # completions math-verify could not judge in time (scored None), all processes
             seen, self._verifier_timeouts_seen = self._verifier_timeouts_seen, verifier_timeouts()

@@ -21,6 +21,8 @@ import re
 import threading
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import GenerationConfig, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
@@ -75,7 +77,8 @@ VLLM_LLM = "trl.generation.vllm_generation.LLM"
 # helpers imported from TRL modules that TRL's top level does not export (imported above: a move fails at import)
 HELPERS = ("trl.trainer.utils.add_fused_lm_head", "trl.trainer.utils.create_model_from_path",
            "trl.trainer.utils.disable_dropout_in_model", "trl.trainer.utils.get_config_model_id",
-           "trl.trainer.utils.use_adapter", "trl.data_utils.is_conversational")
+           "trl.trainer.utils.use_adapter", "trl.data_utils.is_conversational",
+           "trl.chat_template_utils.parse_response")
 # GRPOTrainer._compute_loss computes the micro-batch's policy log-probs with exactly this many calls of
 # _get_per_token_logps_and_entropies, and builds its ratio from that call's result (see loss_logps_replaced).
 LOSS_LOGPS_CALLS = 1
@@ -549,6 +552,31 @@ def decode(trainer: GRPOTrainer, completion_ids: list[list[int]], conversational
     if conversational:
         return [[{"role": "assistant", "content": text}] for text in texts]
     return texts
+
+
+def decode_for_rewards(trainer: GRPOTrainer, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                       prompts: list) -> list:
+    """Decode completions exactly as ``GRPOTrainer._generate`` hands them to reward functions (no tools: anchors
+    refuse them): chat prompts parsed by the tokenizer's response schema where transformers >= 5 has one, else
+    decoded into an assistant message; text prompts decoded."""
+    if not is_conversational({"prompt": prompts[0]}):
+        return trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+    tokenizer = trainer._tokenizer
+    schema = getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema",
+                                                                                  None) is not None
+    if schema and Version(transformers.__version__) >= Version("5.0.0"):  # parse_response: transformers 5
+        from trl.chat_template_utils import parse_response
+
+        return [[parse_response(tokenizer, ids, prefix=prefix, tools=None)]
+                for ids, prefix in zip(completion_ids, prompt_ids)]
+    return decode(trainer, completion_ids, True)
+
+
+def score(trainer: GRPOTrainer, inputs: list[dict], prompts: list, completions: list, completion_ids: list):
+    """TRL's own scoring of rows of the round (``GRPOTrainer._calculate_rewards``, not ARMOR's override): the reward
+    functions, their logged metrics and completion columns, gathered over processes (every process must call it with
+    the same number of rows)."""
+    return GRPOTrainer._calculate_rewards(trainer, inputs, prompts, completions, completion_ids)
 
 
 def is_conversational_prompt(prompt) -> bool:

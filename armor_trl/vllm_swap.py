@@ -20,7 +20,21 @@ from . import trl_seam as seam
 
 @contextlib.contextmanager
 def reference_in_engine(trainer):
-    """Within the block, ``trainer.vllm_generation`` samples from the reference policy."""
+    """Within the block, ``trainer.vllm_generation`` samples from the reference policy. Re-entrant: inside an
+    enclosing block (the waves of a lazy round) the engine already holds π_ref and nothing is pushed."""
+    if getattr(trainer, "_armor_engine_holds_reference", False):
+        yield
+        return
+    trainer._armor_engine_holds_reference = True
+    try:
+        with _reference_pushed(trainer):
+            yield
+    finally:
+        trainer._armor_engine_holds_reference = False
+
+
+@contextlib.contextmanager
+def _reference_pushed(trainer):
     reference, engine = trainer.reference, trainer.vllm_generation
     step = trainer.state.global_step
     if reference.holds_policy_weights():

@@ -25,7 +25,7 @@ for _name, _value in (
 ):
     os.environ.setdefault(_name, _value)
 
-from benchmarks import config, regime, report, summary  # noqa: E402
+from benchmarks import anchor_work, config, regime, report, summary  # noqa: E402
 from benchmarks.run import run_variant  # noqa: E402
 from benchmarks.workload import build_and_calibrate, pregenerate_anchors  # noqa: E402
 
@@ -63,6 +63,9 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
     parser.add_argument("--whatif-repeats", type=int, default=None, help="mixed-adapter generation what-if (LoRA)")
     parser.add_argument("--mini-batches", default=",".join(map(str, bench.regime["mini_batches"])),
                         help="regime: optimizer steps per rollout batch (steps_per_generation), comma-separated")
+    parser.add_argument("--mixed-share", type=float, default=None,
+                        help="0/1-reward (dynamic sampling) variants: the share of prompts whose on-policy outcomes can "
+                             "differ; the others are settled all correct or all wrong (default: every prompt live)")
     parser.add_argument("--no-regime", action="store_true", help="skip the regime runs")
     parser.add_argument("--regime-reps", type=int, default=None, help="regime repetitions (default: the preset's)")
     parser.add_argument("--max-load", type=float, default=d["max_load"],
@@ -89,6 +92,8 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
         parser.error(f"unknown configs {unknown}; choose from {list(bench.variants)}")
     if args.shape["batch"] % args.g:
         parser.error("--batch must be a multiple of --g")
+    if args.mixed_share is not None and not 0.0 <= args.mixed_share <= 1.0:
+        parser.error("--mixed-share must lie in [0, 1]")
     if args.whatif_repeats is None:
         args.whatif_repeats = bench.presets[args.preset]["whatif_repeats"]
     mini_batches = [int(m) for m in args.mini_batches.split(",") if m.strip()] if not args.no_regime else []
@@ -132,9 +137,12 @@ def rerender(source: Path, out: Path, bench: config.BenchConfig, plot_path: str 
     result = json.loads(source.read_text())
     result["summary"] = summary.summarize(result["runs"], result["meta"]["warmup"], bench)
     result["targets"] = summary.check_targets(result["summary"], bench)
+    share = result["meta"].get("mixed_share")
+    result["anchor_work_targets"] = anchor_work.check_targets(result["summary"], bench, share)
     if "regime" in result:
         result["regime"]["summary"] = regime.summarize(result["regime"]["runs"], bench)
         result["regime"]["targets"] = regime.check_targets(result["regime"]["summary"], bench)
+        result["regime"]["anchor_work_targets"] = regime.anchor_work_targets(result["regime"]["summary"], bench, share)
     print(report.write(result, out, bench))
     write_plots(result, bench, out, plot_path)
     return 0
@@ -209,7 +217,7 @@ def measure(args, bench: config.BenchConfig, logs: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="armor-bench-") as tmp:
         base = dict(seed=args.seed, threads=args.threads, k=args.k, g=args.g, hidden=shape["hidden"],
                     layers=shape["layers"], completion=shape["completion"], prompts=shape["prompts"],
-                    arch=args.arch, device=args.device, training=args.training)
+                    arch=args.arch, device=args.device, training=args.training, mixed_share=args.mixed_share)
         calibration = submit(build_and_calibrate, {
             **base, "model_dir": os.path.join(tmp, "model"), "target_found": args.target_found,
             "calibration_draws": preset["calibration_draws"], "log": str(logs / "calibrate.log"),
@@ -294,7 +302,7 @@ def main(argv: list | None = None) -> int:
 
     result = {
         "meta": {
-            "mode": args.preset, **shape, "g": args.g, "k": args.k, "seed": args.seed,
+            "mode": args.preset, **shape, "g": args.g, "k": args.k, "seed": args.seed, "mixed_share": args.mixed_share,
             "threads": args.threads, "threshold": calibration["threshold"],
             "calibration_found_frac": calibration["calibration_found_frac"], "configs": args.variants,
             "load_before": load_before, "load_after": list(os.getloadavg()), "cpus": os.cpu_count(),
@@ -309,12 +317,15 @@ def main(argv: list | None = None) -> int:
         },
         "summary": result_summary,
         "targets": summary.check_targets(result_summary, bench),
+        "anchor_work_targets": anchor_work.check_targets(result_summary, bench, args.mixed_share),
         "runs": measured["runs"],
     }
     if measured["regime_runs"]:
         regime_runs = measured["regime_runs"]
         result["regime"] = {**regime_runs, "summary": regime.summarize(regime_runs["runs"], bench)}
         result["regime"]["targets"] = regime.check_targets(result["regime"]["summary"], bench)
+        result["regime"]["anchor_work_targets"] = regime.anchor_work_targets(result["regime"]["summary"], bench,
+                                                                             args.mixed_share)
     text = report.write(result, out, bench)
     write_plots(result, bench, out, args.plot)
     print()

@@ -54,6 +54,7 @@ class BenchConfig:
     training: dict
     lora: dict
     regime: dict  # {"variants": [...], "mini_batches": [...], "targets": [...]}
+    anchor_work: dict = field(default_factory=dict)  # {"reference": {variant: its paper path}, "targets": [...]}
 
     @property
     def baselines(self) -> tuple:
@@ -86,11 +87,17 @@ def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
         variants=variants, baseline=raw["baselines"]["full"], lora_baseline=raw["baselines"]["lora"],
         targets=targets, presets=raw["presets"], defaults=raw["defaults"], training=raw["training"], lora=raw["lora"],
         regime=raw.get("regime") or {"variants": [], "mini_batches": []},
+        anchor_work=raw.get("anchor_work") or {},
     )
     named = config.baselines + tuple(n for t in targets for n in (t.variant, t.base)) + tuple(config.regime["variants"])
     for name in named:
         if name not in variants:
             raise ValueError(f"{path}: {name!r} is not a variant")
+    work = config.anchor_work
+    named = tuple(work.get("reference", {}).items()) + tuple((t["variant"], t["base"]) for t in work.get("targets", []))
+    for name in (n for pair in named for n in pair):
+        if name not in variants:
+            raise ValueError(f"{path}: anchor_work names {name!r}, which is not a variant")
     for target in targets:
         if target.quantity not in QUANTITIES:
             raise ValueError(f"{path}: target {target.label!r}: quantity must be one of {QUANTITIES}")

@@ -9,7 +9,9 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
                    only; its anchor candidates go through the same method inside ``trl_seam.generate``)
 * ``anchor_gen``   ``trl_seam.generate``: the reference candidates, K per group
 * ``anchor_score`` the rest of ARMOR's ``_generate_single_turn``: ``trl_seam.score_quietly`` (rewards of the
-                   candidates), decoding, selection, cache bookkeeping, the switch to the reference
+                   candidates), decoding, selection, cache bookkeeping, the switch to the reference; where only
+                   eligible groups get candidates (dynamic sampling) also the on-policy rows' rewards, scored there
+                   first (``reward`` then holds TRL's reuse of them)
 * ``ref_fwd``      reference log-probs: ``trl_seam.per_token_logps`` (ARMOR) or, for GRPO with beta > 0,
                    ``_get_per_token_logps_and_entropies`` called during ``_generate_and_score_completions``
 * ``reward``       ``_calculate_rewards`` (instance) for the training rows

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from benchmarks import anchor_work
 from benchmarks.config import BenchConfig
 from benchmarks.instruments import PARTS
 from benchmarks.summary import stats
@@ -64,6 +65,11 @@ def summarize(runs: list, bench: BenchConfig) -> dict:
             "load": stats([max(run["load"]) for run in group if "load" in run] or [math.nan]),
             "repeated_runs": sum(len(run.get("load_attempts", [])) > 1 for run in group),
         }
+        work = anchor_work.summarize(group, lambda run: run["warmup_steps"])
+        if work is not None:
+            summary[name][str(m)]["anchor_work"] = work
+    for m in {m for by_m in summary.values() for m in by_m}:
+        anchor_work.with_ratios({name: by_m[m] for name, by_m in summary.items() if m in by_m}, bench)
     for name, by_m in summary.items():
         for m, entry in by_m.items():
             for base in bench.baselines:
@@ -134,6 +140,9 @@ def table(regime: dict, bench: BenchConfig) -> list:
                 f"{_ratio_cell(vl)} | {f(v.get('rss'), 3)} | "
                 + " | ".join(f"{e['split_s'][p]:.3f}" for p in TABLE_PARTS) + f" | {f(load)} |"
             )
+    lines += anchor_work.table(summary, "Anchor candidates per optimizer step at each M (same runs; over the measured "
+                               "steps, median over repetitions):", m_of=True)
+    lines += anchor_work.targets_table(regime.get("anchor_work_targets") or [])
     targets = regime.get("targets") or []
     if targets:
         lines += ["", "Regime targets (ratio of medians; paired range over repetitions):", "",
@@ -148,3 +157,12 @@ def _ratio_cell(ratios: dict) -> str:
         return "—"
     paired = ratios["step_paired"]
     return f"{ratios['step']:.2f} ({paired['min']:.2f}–{paired['max']:.2f})"
+
+
+def anchor_work_targets(summary: dict, bench: BenchConfig, mixed_share: float | None) -> list:
+    """Issue 36's count targets at every M measured."""
+    rows = []
+    for m in sorted({m for by_m in summary.values() for m in by_m}, key=int):
+        rows += anchor_work.check_targets({name: by_m[m] for name, by_m in summary.items() if m in by_m}, bench,
+                                          mixed_share, f" at M={m}")
+    return rows

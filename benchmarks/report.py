@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import regime
+from benchmarks import anchor_work, regime
 from benchmarks.config import BenchConfig
 from benchmarks.instruments import PARTS
 
@@ -127,7 +127,11 @@ def format_report(result: dict, bench: BenchConfig) -> str:
     meta, summary = result["meta"], result["summary"]
     lines = (
         _header(meta) + _step_table(summary, bench.baseline, bench.lora_baseline) + _pregeneration(meta)
-        + _split_table(summary) + _targets_table(meta, result["targets"]) + _notes(meta, summary, bench)
+        + _split_table(summary) + _targets_table(meta, result["targets"])
+        + anchor_work.table(summary, "Anchor candidates per optimizer step (over the measured steps, median over "
+                            f"repetitions; mixed-share knob: {meta.get('mixed_share')}):")
+        + anchor_work.targets_table(result.get("anchor_work_targets") or [])
+        + _notes(meta, summary, bench)
     )
     if "regime" in result:
         lines += regime.table(result["regime"], bench)

@@ -13,8 +13,11 @@ from benchmarks.workload import build_trainer, quiet
 METRICS = (
     "armor/anchor_found_frac", "armor/anchor_cache_hit_frac", "armor/candidates_verified_frac",
     "completions/mean_length", "reward", "armor/policy_reward_mean", "armor/generation_rounds",
-    "armor/groups_kept_frac", "armor/anchor_same_call",
+    "armor/groups_kept_frac", "armor/anchor_same_call", "armor/anchor_eligible_frac", "armor/anchor_candidate_rows",
+    "armor/dropped_all_correct_frac", "armor/dropped_all_wrong_frac",
 )
+# ArmorGRPOTrainer's running anchor totals (AnchorRollout.counts), recorded at the end of every optimizer step
+COUNTS = ("candidate_rows", "candidates_scored", "anchors_from_candidates", "groups", "eligible_groups", "rounds")
 
 
 def run_variant(task: dict) -> dict:
@@ -29,6 +32,7 @@ def run_variant(task: dict) -> dict:
     trainer, build_s = build_trainer(task, variant, task["bench"])
     timers = instruments.Timers()
     steps = instruments.instrument(trainer, timers, variant.armor)
+    counts = _record_anchor_counts(trainer)
     rss_before_train = instruments.rss_mb()
     train_start = time.perf_counter()
     trainer.train()
@@ -48,6 +52,8 @@ def run_variant(task: dict) -> dict:
         "total_params": sum(p.numel() for p in trainer.model.parameters()),
         "calls": dict(timers.calls),
     }
+    if counts is not None:  # cumulative per step; summaries take differences over the measured steps
+        result["anchor_counts"] = counts
     if task.get("device") == "cuda":  # the GPU preset: peak GPU memory next to the process's RSS
         import torch
 
@@ -58,6 +64,11 @@ def run_variant(task: dict) -> dict:
         values = [h[key] for h in trainer.state.log_history if key in h]
         if values:
             result.setdefault("metrics", {})[key] = values
+    # dynamic sampling's drops with their optimizer step (with M > 1 only rollout steps log them)
+    drops = [[h["step"], h["armor/dropped_all_correct_frac"], h["armor/dropped_all_wrong_frac"]]
+             for h in trainer.state.log_history if "armor/dropped_all_correct_frac" in h]
+    if drops:
+        result["dropped_by_step"] = drops
     if variant.armor and trainer.reference is not None and "mini_batches" not in task:
         result.update(_reset_cost(trainer, task["reset_repeats"]))
         result.update(_whatifs(trainer, task))
@@ -89,3 +100,21 @@ def _whatifs(trainer, task: dict) -> dict:
     if "merged_generation" in names:
         out["whatif_merged_generation"] = whatif.merged_generation(trainer, groups * (g - 1), groups * k, repeats)
     return out
+
+
+def _record_anchor_counts(trainer) -> list | None:
+    """A list that receives the anchor rollout's running totals at the end of every optimizer step (None: no anchor
+    rollout, e.g. trl.GRPOTrainer)."""
+    from transformers import TrainerCallback
+
+    rollout = getattr(trainer, "anchor_rollout", None)
+    if rollout is None:
+        return None
+    records = []
+
+    class AnchorCounts(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            records.append({key: rollout.counts.get(key, 0) for key in COUNTS})
+
+    trainer.add_callback(AnchorCounts())
+    return records

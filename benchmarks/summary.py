@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+from benchmarks import anchor_work
 from benchmarks.config import BenchConfig
 from benchmarks.instruments import PARTS
 
@@ -36,6 +37,7 @@ def summarize(runs: list, warmup: int, bench: BenchConfig) -> dict:
         for base in bench.baselines:
             if base in summary:
                 entry["vs_" + base] = _ratios(entry, summary[base], by_variant[name], by_variant[base])
+    anchor_work.with_ratios(summary, bench)
     return summary
 
 
@@ -86,6 +88,9 @@ def _entry(variant, runs: list, warmup: int) -> dict:
         entry["reset_over_step"] = entry["reset_s"]["median"] / step_median
         entry["reset_kind"] = runs[0]["reset_kind"]
         entry["reset_params"] = runs[0]["reset_params"]
+    work = anchor_work.summarize(runs, lambda run: warmup)
+    if work is not None:
+        entry["anchor_work"] = work
     for key in SUMMARY_METRICS:
         values = [v for r in runs for v in r.get("metrics", {}).get(key, [])[warmup:]]
         if values:

@@ -11,12 +11,22 @@ import random
 from benchmarks.config import BenchConfig, Variant
 
 
-def make_prompts(n: int, seed: int) -> list[dict]:
+def make_prompts(n: int, seed: int, mixed_share: float | None = None) -> list[dict]:
+    """``n`` arithmetic prompts. With ``mixed_share`` every prompt also gets a ``settled`` column: None for the first
+    round(share × n) prompts of a seeded shuffle ("live": the 0/1 reward depends on the completion), else 1.0 or 0.0
+    (alternately): the 0/1 reward of every completion of that prompt, so its group is all correct or all wrong and
+    dynamic sampling drops it whatever its anchor (the workload knob for the share of groups with mixed outcomes)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+    if mixed_share is not None:
+        order = list(range(n))
+        random.Random(seed + 7).shuffle(order)
+        live = round(mixed_share * n)
+        for position, index in enumerate(order):
+            rows[index]["settled"] = None if position < live else float((position - live) % 2)
     return rows
 
 
@@ -36,8 +46,11 @@ def reward_for(variant: Variant, threshold: float):
     if variant.reward == "digit":
         return digit_reward
 
-    def digit_reward_01(completions, **kwargs):
-        return [float(r >= threshold) for r in digit_reward(completions)]
+    def digit_reward_01(completions, settled=None, **kwargs):
+        rewards = [float(r >= threshold) for r in digit_reward(completions)]
+        if settled is None:  # no mixed_share knob: every prompt is live
+            return rewards
+        return [r if fixed is None else fixed for r, fixed in zip(rewards, settled)]
 
     return digit_reward_01
 
@@ -187,7 +200,8 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
 
         peft_config = LoraConfig(**bench.lora)
     tokenizer = AutoTokenizer.from_pretrained(task["model_path"])
-    dataset = Dataset.from_list(make_prompts(task["prompts"], task["seed"]))
+    mixed_share = task.get("mixed_share") if variant.reward == "digit_01" else None
+    dataset = Dataset.from_list(make_prompts(task["prompts"], task["seed"], mixed_share))
     if variant.column:
         from armor_trl.pregenerate import attach_anchors
 

@@ -21,12 +21,16 @@ from benchmarks import config, instruments  # noqa: E402
 BENCH = [sys.executable, "-m", "benchmarks"]
 CONFIGS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
-    "grpo_dynamic", "armor_dynamic", "armor_same_call", "armor_same_call_lora", "armor_column", "armor_column_lora",
+    "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible", "armor_dynamic_lazy", "armor_lazy", "armor_same_call",
+    "armor_same_call_lora", "armor_column", "armor_column_lora",
 ]
 REGIME_VARIANTS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_column", "armor_same_call", "grpo_b004_lora", "armor_lora",
-    "armor_column_lora", "armor_same_call_lora",
+    "armor_column_lora", "armor_same_call_lora", "armor_lazy", "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible",
+    "armor_dynamic_lazy",
 ]
+ANCHOR_WORK = ["candidate_rows_per_step", "candidates_scored_per_step", "anchors_per_step", "candidate_rows_per_anchor",
+               "eligible_share", "mixed_share"]
 PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
          "push_policy", "other"]
 
@@ -85,14 +89,15 @@ def test_split_times_the_engines_weight_pushes_on_their_own():
 def test_bench_smoke_writes_json_and_table(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     proc = subprocess.run(
-        [*BENCH, "--smoke", "--out", str(tmp_path)],
+        [*BENCH, "--smoke", "--mixed-share", "0.5", "--out", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert set(result) == {"meta", "summary", "targets", "runs", "regime"}
+    assert set(result) == {"meta", "summary", "targets", "anchor_work_targets", "runs", "regime"}
     meta = result["meta"]
+    assert meta["mixed_share"] == 0.5
     assert meta["mode"] == "smoke" and meta["g"] == 8 and meta["k"] == 4 and meta["reps"] == 1
     # the smoke preset never repeats a run on a busy machine (the suite's): one attempt each, its load recorded
     assert meta["load_retries"] == 0 and all(len(run["load_attempts"]) == 1 for run in result["runs"])
@@ -105,7 +110,7 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
         assert entry["peak_rss_mb"]["median"] > 0, name
         assert set(entry["split_s"]) == set(PARTS), name
         assert entry["vs_grpo_b004"]["step"] > 0 and entry["vs_grpo_b004"]["rss"] > 0, name
-    summary = result["summary"]
+    summary, regime = result["summary"], result["regime"]
     assert summary["grpo_b004"]["vs_grpo_b004"]["step"] == 1.0
     assert summary["grpo_b004_lora"]["vs_grpo_b004_lora"]["step"] == 1.0
     # the instrumentation sees what each trainer does
@@ -124,6 +129,16 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert "whatif_merged_generation" in summary["armor_lora"]
     for name in ("grpo_dynamic", "armor_dynamic"):  # the refill cost is reported
         assert summary[name]["metrics"]["armor/generation_rounds"] >= 1, name
+    # issue 36: the candidates' work, per optimizer step and per verified anchor, against each variant's paper path
+    for name in ("armor_full", "armor_lazy", "armor_dynamic", "armor_dynamic_eligible", "armor_dynamic_lazy"):
+        work = summary[name]["anchor_work"]
+        assert set(ANCHOR_WORK) <= set(work) and work["candidate_rows_per_step"] >= 0, name
+        assert work["vs_reference"]["reference"] == ("armor_dynamic" if "dynamic" in name else "armor_full"), name
+        assert all(regime["summary"][name][m]["anchor_work"]["eligible_share"] is not None for m in ("1", "16"))
+    assert summary["armor_dynamic"]["anchor_work"]["eligible_share"] == 1.0  # the paper's path: every group
+    assert summary["armor_dynamic"]["anchor_work"]["mixed_share"] is not None
+    assert "anchor_work" not in summary["grpo_b004"]
+    assert all(t["met"] in (True, False) for t in result["anchor_work_targets"])  # judged: the run's share is 0.5
     for name in ("armor_column", "armor_column_lora"):  # pre-generated anchors: no reference generation at all
         assert summary[name]["split_s"]["anchor_gen"] == 0.0, name
         assert summary[name]["split_s"]["ref_fwd"] > 0, name
@@ -147,7 +162,6 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert all(isinstance(t["met"], bool) and t["measured"] > 0 for t in result["targets"])
 
     # the paper's regime: M optimizer steps per rollout batch, cost per optimizer step
-    regime = result["regime"]
     assert regime["meta"]["mini_batches"] == [1, 4, 16]
     assert regime["meta"]["variants"] == REGIME_VARIANTS and list(regime["summary"]) == REGIME_VARIANTS
     assert len(regime["runs"]) == len(REGIME_VARIANTS) * 3
@@ -175,6 +189,7 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert "| config | policy_gen | anchor_gen |" in table
     assert "| target | measured" in table
     assert "| config | M | s/opt step" in table and "| armor_lora | 16 |" in table
+    assert "| config | candidate rows / opt step |" in table and "| config | M | candidate rows / opt step |" in table
     assert "| target | measured | paired range | met |" in table
 
     # the tables can be rendered again from the saved raw runs, without training

@@ -124,6 +124,7 @@ def test_refill_rounds_use_the_engine_and_push_the_policy_back(tiny_model_path, 
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, numbers_dataset(range(30)), tmp_path, max_steps=3, anchor_num_samples=2,
         reward_funcs=scripted, dynamic_sampling=True, anchor_same_call=False,  # one candidate call per round
+        anchor_eligible_only=False,  # candidates for every group (test_eligible_rounds_... covers the default)
     )
     engine = with_fake_vllm(trainer, tiny_tokenizer)
     trainer.train()
@@ -136,3 +137,42 @@ def test_refill_rounds_use_the_engine_and_push_the_policy_back(tiny_model_path, 
     first_step = int(rounds[0])
     assert candidates[:first_step] == ["policy@0"] * first_step  # π_ref == π_θ before the first update: no swap
     assert set(candidates[first_step:]) == {"reference"}
+
+
+def test_eligible_rounds_call_the_engine_only_for_groups_an_anchor_can_keep(tiny_model_path, tiny_tokenizer, tmp_path):
+    from testing import numbers_dataset, scripted
+
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset(range(30)), tmp_path, max_steps=3, anchor_num_samples=2,
+        reward_funcs=scripted, dynamic_sampling=True, anchor_same_call=False,
+    )
+    engine = with_fake_vllm(trainer, tiny_tokenizer)
+    prompts = []
+    sample = trainer.anchor_rollout.sample
+    trainer.anchor_rollout.sample = lambda ids, inputs, *args, **kw: prompts.append([r["prompt"] for r in inputs]) or \
+        sample(ids, inputs, *args, **kw)
+    trainer.train()
+    # a round: one rollout call of 2 groups x 3 rows, then a candidate call only if some group is eligible
+    rollouts = [loaded for loaded, rows in engine.generated_with if rows == 6]
+    candidates = [rows for _, rows in engine.generated_with if rows != 6]
+    mixed = [sum(int(p.split("+")[0]) % 3 == 2 for p in round_prompts) for round_prompts in prompts]
+    # scripted: only prompts n % 3 == 2 have mixed on-policy outcomes; the others are dropped whatever their anchor
+    assert len(rollouts) == len(prompts) and all(loaded.startswith("policy@") for loaded in rollouts)
+    assert candidates == [2 * m for m in mixed if m]  # K = 2 rows per mixed group, no call without one
+    assert 0 < sum(mixed) < 2 * len(prompts)
+
+
+def test_lazy_waves_swap_the_engine_once_per_round(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2, anchor_num_samples=3,
+                           anchor_same_call=False, anchor_sampling="lazy", anchor_reward_threshold=2.0,
+                           anchor_filter="keep", anchor_fail_after_rounds=0)
+    engine = with_fake_vllm(trainer, tiny_tokenizer)
+    pushes = []
+    sync = engine.sync_weights
+    engine.sync_weights = lambda: pushes.append(trainer.state.global_step) or sync()
+    trainer.train()
+    # threshold 2 is never reached: every group draws all K = 3 candidates, one per wave, 2 groups per wave; π_ref is
+    # pushed once per round (step 0: π_ref == π_θ, no swap) and the policy once before each rollout
+    assert engine.generated_with == [("policy@0", 6)] + [("policy@0", 2)] * 3 + [("policy@1", 6)] + \
+        [("reference", 2)] * 3
+    assert len(pushes) == 3  # policy@0, policy@1, then π_ref once for round 2's three waves

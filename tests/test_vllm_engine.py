@@ -247,7 +247,8 @@ def test_cached_anchors_are_sampled_once(model_path, tokenizer, tmp_path):
 
 def test_dynamic_sampling_refill_rounds_swap_the_engine_each_time(model_path, tokenizer, tmp_path):
     trainer = vllm_trainer(model_path, tokenizer, numbers_dataset(range(30)), tmp_path, max_steps=3,
-                           anchor_num_samples=2, reward_funcs=scripted, dynamic_sampling=True, anchor_same_call=False)
+                           anchor_num_samples=2, reward_funcs=scripted, dynamic_sampling=True, anchor_same_call=False,
+                           anchor_eligible_only=False)  # candidates for every group, so a candidate call every round
     engine = EngineCalls(trainer)
     trainer.train()
     rounds = logged(trainer, "armor/generation_rounds")

@@ -150,14 +150,14 @@ class RecordingTrainer(ArmorGRPOTrainer):
         super().__init__(*args, **kwargs)
         if self.anchor_rollout is not None:
             sample = self.anchor_rollout.sample
-            self.anchor_rollout.sample = lambda ids, inputs, candidates=None: self._sample_anchors(sample, ids, inputs,
-                                                                                                 candidates)
+            self.anchor_rollout.sample = lambda ids, inputs, candidates=None, **kw: self._sample_anchors(
+                sample, ids, inputs, candidates, **kw)
 
-    def _sample_anchors(self, sample, group_prompt_ids, group_inputs, candidates=None):
+    def _sample_anchors(self, sample, group_prompt_ids, group_inputs, candidates=None, **kw):
         calls_before = len(RECORD["calls"])
         RECORD["phase"] = "candidates"
         try:
-            anchors, anchor_round = sample(group_prompt_ids, group_inputs, candidates)
+            anchors, anchor_round = sample(group_prompt_ids, group_inputs, candidates, **kw)
         finally:
             RECORD["phase"] = "rollout"
         k = self.args.anchor_num_samples
