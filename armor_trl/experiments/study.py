@@ -776,6 +776,13 @@ def format_summary(summary: dict) -> str:
 
 
 # --- plots -------------------------------------------------------------------------------------------------------
+def _zero_filled(series_by_mode: dict, mode: str) -> list[tuple[int, float]]:
+    """``mode``'s share at every step where any mode was logged (a round with rows of that kind), 0 where ``mode``
+    had none: a share not logged in a round is a share of 0, not a missing value."""
+    values = dict(series_by_mode.get(mode, []))
+    return [(step, values.get(step, 0.0)) for step in sorted({s for curve in series_by_mode.values() for s, _ in curve})]
+
+
 def _band(runs: list[list[tuple[int, float]]], smooth: int = 1):
     """Steps every run has, and the mean and std over runs there (a trailing mean over ``smooth`` points first)."""
     import numpy as np
@@ -869,7 +876,7 @@ def plot_study(curves: dict, out: Path, smooth: int = 5) -> None:
         for ax, mode in zip(axes[0], anchor_modes):
             for i, (arm, runs) in enumerate(curves.items()):
                 for key, style, label in (("anchor_modes", "-", "anchors"), ("policy_modes", "--", "on-policy")):
-                    band = _band([c[key][mode] for c in runs.values() if c.get(key, {}).get(mode)], smooth)
+                    band = _band([_zero_filled(c[key], mode) for c in runs.values() if c.get(key)], smooth)
                     if band is not None:
                         steps, mean, _ = band
                         ax.plot(steps, mean, style, color=colors(i), label=f"{arm}: {label}")
