@@ -187,8 +187,9 @@ class AnchorRollout:
             verified_frac = verified[: len(used) * k][fresh].float()
             totals = (torch.nan_to_num(rewards) * weights).sum(dim=1)
             best_candidate = (totals if args.anchor_sampling == "eager" else totals[: len(used) * k][fresh]).max().item()
-            texts = seam.decode(trainer, candidate_ids[: len(used) * k], False)
-            empty = torch.tensor([not text.strip() for text in texts], dtype=torch.bool)[fresh.cpu()]
+            # (lazy waves leave undrawn candidates as None: only this round's drawn ones are decoded)
+            drawn_ids = [ids for ids, taken in zip(candidate_ids[: len(used) * k], drawn.tolist()) if taken]
+            empty = torch.tensor([not text.strip() for text in seam.decode(trainer, drawn_ids, False)], dtype=torch.bool)
             counts = verifier_counts(rewards[: len(used) * k][fresh], weights, args.anchor_reward_threshold, self.funcs,
                                      empty=empty)
             for position, g in enumerate(used):

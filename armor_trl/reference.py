@@ -137,6 +137,10 @@ class ReferencePolicy:
         # was made equal to the policy, catch them. ``policy_getter`` gives the unwrapped policy (None: not checked).
         self.policy_getter = None
         self.copied_weights: tuple | None = None
+        # The record is compared only between train() calls: inside one, the launcher's own set-up (DDP's broadcast
+        # from rank 0, DeepSpeed's partitioning) writes the parameters in place without changing their values, and
+        # every change the trainer makes bumps policy_version.
+        self.training = False
         # optimizer step of this run whose policy weights π_ref holds (differs from synced_step after a rollback, e.g.
         # the collapse guard's); with validation at that step it gives the reference's own accuracy. None: unknown
         self.weights_step: int | None = None
@@ -250,9 +254,21 @@ class ReferencePolicy:
         neither by the trainer (versions) nor in place or by replacement outside it (the parameters' record)."""
         if self.copied_version is None or self.copied_version != self.policy_version:
             return False
-        if self.copied_weights is None or self.policy_getter is None:
+        if self.training or self.copied_weights is None or self.policy_getter is None:
             return True
         return self._weights_record(self.policy_getter()) == self.copied_weights
+
+    def enter_training(self) -> None:
+        """At the start of train(): weights changed outside the trainer since π_ref copied them end the equality."""
+        if not self.holds_policy_weights():
+            self.copied_version = None
+        self.training = True
+
+    def leave_training(self) -> None:
+        """At the end of train(): record the parameters as they are now, to compare before the next train()."""
+        self.training = False
+        if self.copied_version is not None and self.copied_version == self.policy_version:
+            self.mark_copied(None if self.policy_getter is None else self.policy_getter())
 
     # --- use ---------------------------------------------------------------------------------------------------
     @property

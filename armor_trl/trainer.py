@@ -435,7 +435,13 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 self.armor_started_at -= self.state.global_step  # schedules count global_step - armor_started_at
         if self.state.global_step > 0:  # trained before (resuming or not): TRL's buffered rows, and vLLM's weights,
             seam.discard_rollouts(self)  # are the last call's, made by weights this call does not start from
-        output = super().train(checkpoint, *args, **kwargs)
+        if self.reference is not None:
+            self.reference.enter_training()
+        try:
+            output = super().train(checkpoint, *args, **kwargs)
+        finally:
+            if self.reference is not None:
+                self.reference.leave_training()
         if self.args.load_best_model_at_end:  # transformers may have loaded the best checkpoint's weights: vLLM's
             seam.discard_rollouts(self)  # engine holds the final ones, and TRL pushes only at a new global_step
         return output

@@ -168,7 +168,7 @@ def test_loss_and_gradient_are_the_hand_computed_ones(loss_type, level, tiny_mod
     torch.testing.assert_close(gradient, expected_gradient, rtol=1e-7, atol=1e-10)
     # the regime: the ratio far from 1; the clip (where the loss has one) binds on some tokens and not on others
     mask, adv = batch["completion_mask"].bool(), batch["advantages"].unsqueeze(1)
-    assert (ratio[mask] - 1).abs().max() > 0.3
+    assert (ratio[mask] - 1).abs().max() > 0.2  # beyond ε_low: room for the clip to bind (checked next)
     if loss_type == "cispo":
         binds = ratio > CISPO_EPS_MAX
     elif loss_type not in ("sapo", "vespo"):
