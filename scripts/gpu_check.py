@@ -126,13 +126,18 @@ def run(name, model_path, tokenizer, steps, lora, vllm, output_root):
     trainer.train()
     warm = timer.times[2:] or timer.times
     result = {"run": name, "median_step_s": statistics.median(warm), "peak_gpu_gib": peak_memory_gib()}
-    found = [h["armor/anchor_found_frac"] for h in trainer.state.log_history if "armor/anchor_found_frac" in h]
-    if found:
-        result["anchor_found_frac"] = statistics.mean(found)
+    record_found(trainer, result)
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def record_found(trainer, result: dict) -> None:
+    """The run's mean share of groups with an anchor, in ``result`` (ARMOR runs; GRPO's log none)."""
+    found = [h["armor/anchor_found_frac"] for h in trainer.state.log_history if "armor/anchor_found_frac" in h]
+    if found:
+        result["anchor_found_frac"] = statistics.mean(found)
 
 
 def serve(model_path: str, port: int, gpu: str, log_path: str) -> subprocess.Popen:
@@ -261,9 +266,7 @@ def pair_m16(model_path: str, output_dir: str, completion: int = 128) -> dict:
         trainer.add_callback(timer)
         trainer.train()
         result[f"{name}_per_step_s"] = sum(timer.times) / len(timer.times)
-        found = [h["armor/anchor_found_frac"] for h in trainer.state.log_history if "armor/anchor_found_frac" in h]
-        if found:
-            result["anchor_found_frac"] = statistics.mean(found)
+        record_found(trainer, result)
         del trainer
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -10,7 +10,8 @@ from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from armor_trl import trl_seam as seam
 from armor_trl.anchors import anchor_rows
 from armor_trl.reference import REF_ADAPTER, adapter_parameters
-from testing import StopAt, capture_rounds, cpu_args, digit_share_reward, has_digit_reward, logged, make_trainer
+from testing import (StopAt, capture_rounds, check_exact_resume, cpu_args, digit_share_reward, has_digit_reward, logged,
+                     make_trainer)
 
 # a small KV cache: sized from free memory by default, which makes every generate_batch call take seconds on a CPU
 CB = dict(use_transformers_continuous_batching=True,
@@ -160,16 +161,7 @@ def run(tiny_model_path, tiny_tokenizer, dataset, output_dir, stop_at=None, resu
 
 def test_resume_on_the_continuous_batching_path_continues_the_run_exactly(tiny_model_path, tiny_tokenizer,
                                                                           prompt_dataset, tmp_path):
-    straight, reference, losses = run(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "straight")
-    interrupted = tmp_path / "interrupted"
-    first, _, _ = run(tiny_model_path, tiny_tokenizer, prompt_dataset, interrupted, stop_at=2)
-    assert first.state.global_step == 2 and first.reference.resets == 1
-    resumed, resumed_reference, resumed_losses = run(tiny_model_path, tiny_tokenizer, prompt_dataset, interrupted,
-                                                     resume=True)
-    assert resumed.reference.resets == straight.reference.resets == 2
-    assert all(torch.equal(a, b) for a, b in zip(reference, resumed_reference))
-    for step in (3, 4):
-        assert resumed_losses[step] == pytest.approx(losses[step], abs=1e-6)
+    check_exact_resume(run, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
 
 
 def test_a_generation_path_that_loses_rows_stops_the_round_instead_of_shifting_anchors(tiny_model_path, tiny_tokenizer,

@@ -7,7 +7,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer, generate_completions
 from armor_trl.anchors import anchor_rows
-from testing import StopAt, capture_rounds, cpu_args, digit_share_reward, has_digit_reward, logged
+from testing import (StopAt, capture_rounds, check_exact_resume, cpu_args, digit_share_reward, has_digit_reward,
+                     logged)
 
 CB = dict(use_transformers_continuous_batching=True,
           transformers_continuous_batching_config={"num_blocks": 32, "max_batch_tokens": 128, "page_size": 16})
@@ -209,13 +210,4 @@ def run(tiny_model_path, tiny_tokenizer, dataset, output_dir, stop_at=None, resu
 
 
 def test_resume_with_a_rollout_func_continues_the_run_exactly(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    straight, reference, losses = run(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "straight")
-    interrupted = tmp_path / "interrupted"
-    first, _, _ = run(tiny_model_path, tiny_tokenizer, prompt_dataset, interrupted, stop_at=2)
-    assert first.state.global_step == 2 and first.reference.resets == 1
-    resumed, resumed_reference, resumed_losses = run(tiny_model_path, tiny_tokenizer, prompt_dataset, interrupted,
-                                                     resume=True)
-    assert resumed.reference.resets == straight.reference.resets == 2
-    assert all(torch.equal(a, b) for a, b in zip(reference, resumed_reference))
-    for step in (3, 4):
-        assert resumed_losses[step] == pytest.approx(losses[step], abs=1e-6)
+    check_exact_resume(run, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)

@@ -210,3 +210,19 @@ def _launch(command: list[str], out: Path, processes: int) -> list[dict]:
     files = sorted(out.glob("rank*.json"))
     assert len(files) == processes, f"expected {processes} result files, got {[f.name for f in files]}"
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
+
+
+def check_exact_resume(run, tiny_model_path, tiny_tokenizer, dataset, tmp_path, steps=(3, 4)):
+    """A run stopped at step 2 and resumed ends like the straight run: same resets, π_ref's tensors, later losses.
+    ``run(model, tokenizer, dataset, out, stop_at=None, resume=False)`` returns (trainer, reference tensors,
+    {step: loss})."""
+    straight, reference, losses = run(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "straight")
+    interrupted = tmp_path / "interrupted"
+    first, _, _ = run(tiny_model_path, tiny_tokenizer, dataset, interrupted, stop_at=2)
+    assert first.state.global_step == 2 and first.reference.resets == 1
+    resumed, resumed_reference, resumed_losses = run(tiny_model_path, tiny_tokenizer, dataset, interrupted,
+                                                     resume=True)
+    assert resumed.reference.resets == straight.reference.resets == 2
+    assert all(torch.equal(a, b) for a, b in zip(reference, resumed_reference))
+    for step in steps:
+        assert resumed_losses[step] == pytest.approx(losses[step], abs=1e-6)
