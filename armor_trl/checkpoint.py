@@ -16,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 STATE_FILE = "armor_state.json"
 FORMAT = 2
@@ -168,3 +171,53 @@ def check_fingerprint(checkpoint: str, expected: dict, defaults: dict | None = N
             f"Cannot resume from {checkpoint}: it was written by a different ARMOR configuration ({details}). "
             "Resume with the same settings, or start a new run with the checkpoint as `model`/`ref_model`."
         )
+
+
+# ArmorConfig fields a checkpoint's state depends on; a resumed run must share them. The later ones are written only
+# when they differ from their default and compared both ways, a missing one counting as its default (so checkpoints
+# written before a field existed resume while it stays at its default).
+FINGERPRINT_FIELDS = (
+    "use_anchors", "use_mixed_ratio", "num_generations", "anchor_num_samples", "anchor_reward_threshold",
+    "anchor_filter", "anchor_cache", "anchor_cache_failures", "ref_reset_steps", "ref_reset_every_step_until",
+)
+LOOP_FIELDS = (
+    "dynamic_sampling", "dynamic_sampling_keep_unsolved", "dynamic_sampling_max_rounds", "advantage_quantile",
+    "armor_alpha_decay_steps", "ref_reset_at_steps", "anchor_selection", "anchor_gate_only", "off_policy_ratio",
+    "mask_negative_anchor_advantage", "anchor_reward_funcs", "anchors_per_group", "anchor_loss_weight",
+    "anchor_source", "anchor_column", "anchor_cache_per_prompt", "collapse_guard", "advantage_quantile_interpolation",
+    "collapse_guard_metric", "collapse_guard_drop", "collapse_guard_patience",  # the guard's history was judged by them
+)
+
+
+def fingerprint(args, reference_kind: str | None) -> dict:
+    """The settings (of an ArmorConfig) a checkpoint's ARMOR state depends on; resuming with different ones is refused."""
+    defaults = type(args).__dataclass_fields__
+    values = {"kind": reference_kind, "armor_alpha": args.resolved_alpha,
+              **{name: getattr(args, name) for name in FINGERPRINT_FIELDS}}
+    values.update({name: getattr(args, name) for name in LOOP_FIELDS if getattr(args, name) != defaults[name].default})
+    return values
+
+
+def resolve_checkpoint(args, checkpoint, expected: dict, guard_output_dir: bool = True):
+    """``train(resume_from_checkpoint=...)``'s checkpoint: the newest complete one in ``args.output_dir`` for ``True``
+    (incomplete ones are skipped with a warning), checked against ``expected`` (:func:`fingerprint`). A fresh run
+    (``checkpoint`` false) into an output_dir holding complete checkpoints is refused when ``guard_output_dir``, unless
+    ``overwrite_output_dir``."""
+    output_dir = args.output_dir
+    if not checkpoint:
+        if guard_output_dir and not args.overwrite_output_dir and any(latest_complete_checkpoint(output_dir)):
+            raise ValueError(
+                f"output_dir {output_dir} already holds checkpoints of an earlier run, which this run would "
+                "overwrite. Resume it with train(resume_from_checkpoint=True), choose another output_dir, or set "
+                "overwrite_output_dir=True."
+            )
+        return checkpoint
+    if checkpoint is True:
+        checkpoint, incomplete = latest_complete_checkpoint(output_dir)
+        for path in incomplete:
+            logger.warning(f"Skipping {path}: it is incomplete (the run stopped while writing it); left as is.")
+        if checkpoint is None:
+            raise ValueError(f"No complete ArmorGRPOTrainer checkpoint found in {output_dir}.")
+    defaults = type(args).__dataclass_fields__
+    check_fingerprint(checkpoint, expected, {name: defaults[name].default for name in LOOP_FIELDS})
+    return checkpoint

@@ -258,17 +258,19 @@ class ReferencePolicy:
             return True
         return self._weights_record(self.policy_getter()) == self.copied_weights
 
-    def enter_training(self) -> None:
-        """At the start of train(): weights changed outside the trainer since π_ref copied them end the equality."""
+    @contextlib.contextmanager
+    def training_call(self):
+        """Around one train() call: weights changed outside the trainer since π_ref copied them end the equality at
+        its start; at its end the parameters are recorded as they are, to compare before the next call."""
         if not self.holds_policy_weights():
             self.copied_version = None
         self.training = True
-
-    def leave_training(self) -> None:
-        """At the end of train(): record the parameters as they are now, to compare before the next train()."""
-        self.training = False
-        if self.copied_version is not None and self.copied_version == self.policy_version:
-            self.mark_copied(None if self.policy_getter is None else self.policy_getter())
+        try:
+            yield
+        finally:
+            self.training = False
+            if self.copied_version is not None and self.copied_version == self.policy_version:
+                self.mark_copied(None if self.policy_getter is None else self.policy_getter())
 
     # --- use ---------------------------------------------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ How one generation round differs from GRPO (train mode, ARMOR on):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from .anchor_rollout import AnchorRollout, reward_func_mask
 from .advantages import total_rewards
 from .anchors import AnchorRound
 from .armor_metrics import ArmorMetrics
-from .checkpoint import ArmorState, check_fingerprint, latest_complete_checkpoint
+from .checkpoint import ArmorState, fingerprint, resolve_checkpoint
 from .collapse_guard import CollapseGuard
 from .config import ArmorConfig
 from .dynamic_sampling import DynamicSampling, advantages_across_processes
@@ -49,20 +50,6 @@ from .vllm_reference import ReferenceServer
 
 logger = logging.get_logger(__name__)
 
-# ArmorConfig fields a checkpoint's state depends on; a resumed run must share them. The later ones are written only
-# when they differ from their default and compared both ways, a missing one counting as its default (so checkpoints
-# written before a field existed resume while it stays at its default).
-FINGERPRINT_FIELDS = (
-    "use_anchors", "use_mixed_ratio", "num_generations", "anchor_num_samples", "anchor_reward_threshold",
-    "anchor_filter", "anchor_cache", "anchor_cache_failures", "ref_reset_steps", "ref_reset_every_step_until",
-)
-LOOP_FIELDS = (
-    "dynamic_sampling", "dynamic_sampling_keep_unsolved", "dynamic_sampling_max_rounds", "advantage_quantile",
-    "armor_alpha_decay_steps", "ref_reset_at_steps", "anchor_selection", "anchor_gate_only", "off_policy_ratio",
-    "mask_negative_anchor_advantage", "anchor_reward_funcs", "anchors_per_group", "anchor_loss_weight",
-    "anchor_source", "anchor_column", "anchor_cache_per_prompt", "collapse_guard", "advantage_quantile_interpolation",
-    "collapse_guard_metric", "collapse_guard_drop", "collapse_guard_patience",  # the guard's history was judged by them
-)
 
 
 @dataclass
@@ -414,12 +401,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
     # --- checkpoints -----------------------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         """The settings a checkpoint's ARMOR state depends on; resuming with different ones is refused."""
-        args, defaults = self.args, ArmorConfig.__dataclass_fields__
-        fingerprint = {"kind": None if self.reference is None else self.reference.kind,
-                       "armor_alpha": args.resolved_alpha, **{name: getattr(args, name) for name in FINGERPRINT_FIELDS}}
-        fingerprint.update({name: getattr(args, name) for name in LOOP_FIELDS
-                            if getattr(args, name) != defaults[name].default})
-        return fingerprint
+        return fingerprint(self.args, None if self.reference is None else self.reference.kind)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """TRL's ``train``. Called again without resuming, training goes on from the current weights (as with any
@@ -435,38 +417,17 @@ class ArmorGRPOTrainer(GRPOTrainer):
                 self.armor_started_at -= self.state.global_step  # schedules count global_step - armor_started_at
         if self.state.global_step > 0:  # trained before (resuming or not): TRL's buffered rows, and vLLM's weights,
             seam.discard_rollouts(self)  # are the last call's, made by weights this call does not start from
-        if self.reference is not None:
-            self.reference.enter_training()
-        try:
+        with self.reference.training_call() if self.reference is not None else contextlib.nullcontext():
             output = super().train(checkpoint, *args, **kwargs)
-        finally:
-            if self.reference is not None:
-                self.reference.leave_training()
         if self.args.load_best_model_at_end:  # transformers may have loaded the best checkpoint's weights: vLLM's
             seam.discard_rollouts(self)  # engine holds the final ones, and TRL pushes only at a new global_step
         return output
 
     def _resolve_checkpoint(self, checkpoint):
-        """The newest complete checkpoint for ``True``; refuse one written with other ARMOR settings."""
-        output_dir = self.args.output_dir
-        if not checkpoint:
-            if self.reference is not None and not self.args.overwrite_output_dir and any(latest_complete_checkpoint(
-                    output_dir)):
-                raise ValueError(
-                    f"output_dir {output_dir} already holds checkpoints of an earlier run, which this run would "
-                    "overwrite. Resume it with train(resume_from_checkpoint=True), choose another output_dir, or set "
-                    "overwrite_output_dir=True."
-                )
-            return checkpoint
-        if checkpoint is True:
-            checkpoint, incomplete = latest_complete_checkpoint(output_dir)
-            for path in incomplete:
-                logger.warning(f"Skipping {path}: it is incomplete (the run stopped while writing it); left as is.")
-            if checkpoint is None:
-                raise ValueError(f"No complete ArmorGRPOTrainer checkpoint found in {output_dir}.")
-        defaults = {name: ArmorConfig.__dataclass_fields__[name].default for name in LOOP_FIELDS}
-        check_fingerprint(checkpoint, self._fingerprint(), defaults)
-        return checkpoint
+        """The newest complete checkpoint for ``True``; refuse one written with other ARMOR settings, or (ARMOR on)
+        a fresh run into an output_dir holding an earlier run's checkpoints."""
+        return resolve_checkpoint(self.args, checkpoint, self._fingerprint(),
+                                  guard_output_dir=self.reference is not None)
 
     def _save_checkpoint(self, model, trial):
         # Older checkpoints are rotated away only once this one is complete (ARMOR's state file written last), so a
