@@ -56,7 +56,9 @@ test-latest:
 	$(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/pip install --quiet pip==$(PIP_VERSION)
 	$(LATEST_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION)
-	$(LATEST_VENV)/bin/pip install --quiet --upgrade --upgrade-strategy eager ".[$(DEV_EXTRAS)]"
+	# torch held at the CPU build: --upgrade would otherwise take the newest torch, a multi-GB CUDA build
+	echo "torch==$(TORCH_VERSION)" > $(LATEST_VENV)/torch-held.txt
+	$(LATEST_VENV)/bin/pip install --quiet --upgrade --upgrade-strategy eager -c $(LATEST_VENV)/torch-held.txt ".[$(DEV_EXTRAS)]"
 	$(PYTHON) scripts/lockfile.py diff $(DEV_LOCK) --python $(LATEST_VENV)/bin/python --ignore armor-trl
 	cd $(LATEST_VENV) && export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 && \
 		bin/python -m pytest -q -p no:cacheprovider -n 2 --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml \
