@@ -36,7 +36,6 @@ def build_tokenizer():
 
 def build_tiny_model(path: str | os.PathLike, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> str:
     """Write a randomly initialised tiny Llama model and its tokenizer to ``path``; return the path."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = os.fspath(path)
@@ -54,13 +53,7 @@ def build_tiny_model(path: str | os.PathLike, hidden_size: int = 64, num_layers:
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save_initialised(LlamaForCausalLM, config, tokenizer, path, seed)
 
 
 # --- a tiny vision-language model (Qwen2-VL shapes) --------------------------------------------------------------------
@@ -110,7 +103,6 @@ def build_tiny_vlm_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28
 def build_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> str:
     """Write a randomly initialised tiny Qwen2-VL model (a 1-layer vision tower, a 2-layer language model) to
     ``path``; return the path. Its processor: :func:`build_tiny_vlm_processor`."""
-    import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     path = os.fspath(path)
@@ -129,8 +121,16 @@ def build_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> str:
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True, **special,
     )
+    return _save_initialised(Qwen2VLForConditionalGeneration, config, tokenizer, path, seed)
+
+
+def _save_initialised(model_class, config, tokenizer, path: str, seed: int) -> str:
+    """A randomly initialised ``model_class(config)`` (seeded), generating with the tokenizer's pad and eos tokens,
+    saved with the tokenizer (or processor) in ``path``."""
+    import torch
+
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
