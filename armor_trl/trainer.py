@@ -3,16 +3,16 @@
 How one generation round differs from GRPO (train mode, ARMOR on):
 
 1. ``_generate_single_turn``: G − m on-policy completions per group, and m anchors per group from π_ref
-   (:class:`~armor_trl.anchor_rollout.AnchorRollout`: sampled, verified with the trainer's reward functions, placed
+   (:class:`~armor_trl.rollout.anchor_rollout.AnchorRollout`: sampled, verified with the trainer's reward functions, placed
    in the group's last rows). TRL computes rewards and advantages with the anchors as group members; the anchors keep
    the scores they were verified with, and on-policy rows scored before the candidates were drawn (only groups whose
-   fate an anchor can change get candidates, :mod:`~armor_trl.anchor_waves`) keep theirs (``_calculate_rewards``).
+   fate an anchor can change get candidates, :mod:`~armor_trl.rollout.anchor_waves`) keep theirs (``_calculate_rewards``).
 2. ``_generate_and_score_completions``: π_ref's per-token log-probs and an anchor flag join the batch (they travel
    with their rows through TRL's shuffle and split); groups are masked per ``anchor_filter``; dynamic sampling and
    QAE recompute advantages where asked for.
 3. ``_compute_loss``: TRL's clipped surrogate is built from mixture log-probs log(α·π_θ + (1−α)·π_ref) for both the
    current and the old policy, which makes TRL's ratio r_mix (``trl_seam.loss_logps_replaced``).
-4. After each optimizer step π_ref is reset on schedule (:class:`~armor_trl.reference.ReferenceResetCallback`).
+4. After each optimizer step π_ref is reset on schedule (:class:`~armor_trl.reference.policy.ReferenceResetCallback`).
 """
 
 from __future__ import annotations
@@ -27,26 +27,26 @@ from accelerate.utils import is_peft_model
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 
-from . import checks
-from . import trl_seam as seam
-from .anchor_rollout import AnchorRollout, reward_func_mask
-from .advantages import total_rewards
-from .anchors import AnchorRound
-from .armor_metrics import ArmorMetrics
-from .checkpoint import ArmorState, fingerprint, resolve_checkpoint
-from .collapse_guard import CollapseGuard
-from .config import ArmorConfig
-from .dynamic_sampling import DynamicSampling, advantages_across_processes
-from .launcher import check_use_cpu
-from .loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
-from .mixture import mixed_logprobs
-from .modes import resolve_classifier
-from .multimodal import RowMedia, forward_kwargs
-from .reference import ReferenceResetCallback, build_reference, copy_model_for_reference
-from .reward_checks import checked
-from .rollout_func import RolloutFuncAnchors
-from .rewards import math_verify_reward, verifier_timeouts
-from .vllm_reference import ReferenceServer
+from armor_trl.integration import checks
+from armor_trl.integration import trl_seam as seam
+from armor_trl.rollout.anchor_rollout import AnchorRollout, reward_func_mask
+from armor_trl.algorithm.advantages import total_rewards
+from armor_trl.rollout.anchors import AnchorRound
+from armor_trl.integration.metrics import ArmorMetrics
+from armor_trl.integration.checkpoint import ArmorState, fingerprint, resolve_checkpoint
+from armor_trl.callbacks.collapse_guard import CollapseGuard
+from armor_trl.config import ArmorConfig
+from armor_trl.rollout.dynamic_sampling import DynamicSampling, advantages_across_processes
+from armor_trl.integration.launcher import check_use_cpu
+from armor_trl.algorithm.loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
+from armor_trl.algorithm.mixture import mixed_logprobs
+from armor_trl.rewards.modes import resolve_classifier
+from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
+from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
+from armor_trl.rewards.checks import checked
+from armor_trl.rollout.rollout_func import RolloutFuncAnchors
+from armor_trl.rewards import math_verify_reward, verifier_timeouts
+from armor_trl.reference.vllm_server import ReferenceServer
 
 logger = logging.get_logger(__name__)
 
@@ -112,7 +112,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         # optimizer step ARMOR started at: 0, or None while it is dormant (collapse_guard="armor" before the switch)
         self.armor_started_at: int | None = None if args.collapse_guard == "armor" else 0
         self._round = Round()
-        self._user_rollout_func = rollout_func  # wrapped by ARMOR when anchors are on (armor_trl.rollout_func)
+        self._user_rollout_func = rollout_func  # wrapped by ARMOR when anchors are on (armor_trl.rollout.rollout_func)
         # A policy instance is copied before TRL patches its forward (a later deep copy would keep that patch).
         ref_copy = None
         if args.armor_enabled and not uses_peft and ref_model is None and not isinstance(model, str):

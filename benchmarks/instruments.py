@@ -1,7 +1,7 @@
 """Timers around the training step's phases, and memory readings. Used inside worker processes only.
 
 The time split of one optimizer step comes from wrapping TRL's hook methods on the trainer instance (the ones
-``armor_trl.trl_seam`` lists, plus ``_prepare_inputs`` and ``training_step``) and the ``trl_seam`` helpers through
+``armor_trl.integration.trl_seam`` lists, plus ``_prepare_inputs`` and ``training_step``) and the ``trl_seam`` helpers through
 which ARMOR samples and scores reference candidates and computes reference log-probs. Nothing of
 ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRPOTrainer and ArmorGRPOTrainer:
 
@@ -128,7 +128,7 @@ def _instrument_seam(timers: Timers) -> None:
     """ARMOR: the seam helpers, and TRL's generation method where ARMOR calls it for the on-policy rows."""
     from trl import GRPOTrainer
 
-    from armor_trl import trl_seam
+    from armor_trl.integration import trl_seam
 
     trl_seam.generate = timers.wrap(trl_seam.generate, "anchor_generate", flag="anchor_gen")
     trl_seam.score_quietly = timers.wrap(trl_seam.score_quietly, "anchor_score")

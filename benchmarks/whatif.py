@@ -49,7 +49,7 @@ def merged_generation(trainer, policy_rows: int, anchor_rows: int, repeats: int)
     """
     import torch
 
-    from armor_trl.reference import REF_ADAPTER
+    from armor_trl.reference.policy import REF_ADAPTER
 
     model, tok = _policy(trainer), trainer.processing_class
     gen = dict(

@@ -78,11 +78,11 @@ def quiet(log_path: str | None, threads: int) -> None:
 
 
 def build_model(settings: dict) -> str:
-    """Write the bench's model with random weights: armor_trl.tiny's Llama, or (arch qwen2) a Qwen2 with
+    """Write the bench's model with random weights: armor_trl.app.tiny's Llama, or (arch qwen2) a Qwen2 with
     Qwen2.5-0.5B's proportions at ``hidden`` x ``layers`` (896 x 24: its shapes, ~0.5B parameters)."""
     import torch
 
-    from armor_trl.tiny import build_tiny_model, build_tokenizer
+    from armor_trl.app.tiny import build_tiny_model, build_tokenizer
 
     if settings.get("arch", "llama") == "llama":
         return build_tiny_model(settings["model_dir"], hidden_size=settings["hidden"], num_layers=settings["layers"],
@@ -146,7 +146,7 @@ def pregenerate_anchors(settings: dict) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from armor_trl.pregenerate import AnchorSettings, TransformersSampler, finalize, generate_shards, prepare_output
+    from armor_trl.data.pregenerate import AnchorSettings, TransformersSampler, finalize, generate_shards, prepare_output
 
     anchor_settings = AnchorSettings(
         reference=settings["model_path"], num_candidates=2 * settings["k"], max_anchors_per_prompt=settings["k"],
@@ -177,7 +177,7 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
     from trl import GRPOConfig, GRPOTrainer
 
     from armor_trl import ArmorConfig, ArmorGRPOTrainer
-    from armor_trl import trl_seam as seam
+    from armor_trl.integration import trl_seam as seam
 
     torch.manual_seed(task["seed"])
     common = dict(
@@ -203,7 +203,7 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
     mixed_share = task.get("mixed_share") if variant.reward == "digit_01" else None
     dataset = Dataset.from_list(make_prompts(task["prompts"], task["seed"], mixed_share))
     if variant.column:
-        from armor_trl.pregenerate import attach_anchors
+        from armor_trl.data.pregenerate import attach_anchors
 
         dataset = attach_anchors(dataset, task["anchors_path"])
     cls = ArmorGRPOTrainer if variant.trainer == "armor_trl" else GRPOTrainer

@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from armor_trl.experiments.runner import read_curves
-from armor_trl.experiments.stats import carry_mix_criterion
-from armor_trl.experiments.study import metrics_path
+from armor_trl.app.experiments.runner import read_curves
+from armor_trl.app.experiments.stats import carry_mix_criterion
+from armor_trl.app.experiments.study import metrics_path
 
 
 def pilot_criteria(out: Path) -> dict:

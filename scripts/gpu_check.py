@@ -1,7 +1,7 @@
 """GPU check: ARMOR vs GRPO (β = 0.04) on a ~0.5B model built locally, full and LoRA, bf16.
 
 Reports median step time and peak GPU memory side by side. Needs CUDA; no hub access (the model
-has random weights and the character tokenizer of armor_trl.tiny, with Qwen2.5-0.5B's shapes).
+has random weights and the character tokenizer of armor_trl.app.tiny, with Qwen2.5-0.5B's shapes).
 Run: scripts/gpu_check.sh (the plan of scripts/gpu_check_parts.py, which calls the parts below one by one), or
 directly: scripts/gpu_check.py [--steps N] [--vllm] (the four runs in one process).
 
@@ -42,11 +42,11 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, TrainerCa
 from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from armor_trl.tiny import build_tokenizer
+from armor_trl.app.tiny import build_tokenizer
 
 
 def build_half_billion(path: str, layers: int = 24) -> str:
-    """Qwen2.5-0.5B's shapes (``layers`` of them), random weights, bf16, armor_trl.tiny's character tokenizer."""
+    """Qwen2.5-0.5B's shapes (``layers`` of them), random weights, bf16, armor_trl.app.tiny's character tokenizer."""
     tokenizer = build_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,

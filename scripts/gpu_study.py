@@ -5,7 +5,7 @@ statistics) on a real small instruct model and GSM8K, on one GPU, offline (docs/
 
 Model and data come from local paths only (no network: the hub is switched off). With --wheelhouse the project and
 what the machine lacks are installed from that folder (`make wheelhouse`) with pip --no-index first. The study
-itself is armor_trl.experiments.study.run_study on the recipe (configs/gpu_study_gsm8k.yaml by default) with the
+itself is armor_trl.app.experiments.study.run_study on the recipe (configs/gpu_study_gsm8k.yaml by default) with the
 paths filled in, written to <output_dir>/gpu_study_recipe.yaml; it writes what `armor-trl study` writes (summary.md,
 summary.json, curves.png, kl.png, metrics/<arm>-seed<s>.jsonl) plus environment.jsonl (GPU, versions; a line per
 start). A rerun of
@@ -146,7 +146,7 @@ def _rows(flag: str, path: str, recipe: dict, limit: int | None) -> dict:
     import datasets
     from datasets import load_dataset
 
-    from armor_trl.datasets import _LOCAL_BUILDERS, load_rlvr_dataset
+    from armor_trl.data.datasets import _LOCAL_BUILDERS, load_rlvr_dataset
 
     datasets.disable_progress_bars()  # the plan, not a progress bar per file
 
@@ -167,8 +167,8 @@ def _rows(flag: str, path: str, recipe: dict, limit: int | None) -> dict:
 
 
 def make_plan(args) -> dict:
-    from armor_trl.experiments import study
-    from armor_trl.experiments.runner import read_recipe
+    from armor_trl.app.experiments import study
+    from armor_trl.app.experiments.runner import read_recipe
 
     try:
         config_path, recipe = read_recipe(args.config)

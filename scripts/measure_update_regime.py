@@ -65,7 +65,7 @@ def main() -> None:
     cli = parser.parse_args()
     import torch
 
-    from armor_trl.tiny import build_tiny_model
+    from armor_trl.app.tiny import build_tiny_model
 
     torch.set_num_threads(1)
     model = build_tiny_model(os.path.join(cli.output_dir, "tiny-model"))

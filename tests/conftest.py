@@ -28,7 +28,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from armor_trl.tiny import build_tiny_model
+from armor_trl.app.tiny import build_tiny_model
 
 # xdist groups of the slow tests (those that launch several processes), by module; the rest join "launch-other".
 # Measured: with all of them in one group, that group alone was the whole run's critical path.

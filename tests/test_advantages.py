@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl.trainer.utils import nanstd as trl_nanstd
 
-from armor_trl.advantages import (
+from armor_trl.algorithm.advantages import (
     ALL_CORRECT, ALL_WRONG, KEPT, NO_ANCHOR, dynamic_sampling_keep, group_advantages, group_quantile, nanstd,
 )
 

@@ -2,7 +2,7 @@
 
 from datasets import Dataset
 
-from armor_trl.anchors import AnchorCache
+from armor_trl.rollout.anchors import AnchorCache
 from testing import count_reference_rows, digit_share_reward, logged, make_trainer
 
 

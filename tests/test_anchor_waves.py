@@ -15,9 +15,9 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from armor_trl import anchor_waves
-from armor_trl.anchor_waves import eligible_groups, filters_groups
-from armor_trl.anchors import select_anchors
+from armor_trl.rollout import anchor_waves
+from armor_trl.rollout.anchor_waves import eligible_groups, filters_groups
+from armor_trl.rollout.anchors import select_anchors
 from testing import has_digit_reward, logged, make_trainer, numbers_dataset, trainable_state
 
 G, K = 4, 4

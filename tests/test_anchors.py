@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from armor_trl.anchors import anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
+from armor_trl.rollout.anchors import anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask
 
 nan = float("nan")
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from armor_trl.armor_metrics import ArmorMetrics
-from armor_trl.mixture import clip_masks, mixed_logprobs, mixed_ratio
+from armor_trl.integration.metrics import ArmorMetrics
+from armor_trl.algorithm.mixture import clip_masks, mixed_logprobs, mixed_ratio
 from testing import logged, make_trainer
 
 
@@ -164,7 +164,7 @@ def first_letter(text: str) -> str:
 def test_anchor_modes_count_the_kept_rows_of_each_type(tiny_tokenizer):
     """Shares over the kept rows only (a dropped group's rows and empty slots never count), anchors apart from
     on-policy rows; the kept anchors' count and mean advantage."""
-    from armor_trl.loss_rows import KEPT_ROWS
+    from armor_trl.algorithm.loss_rows import KEPT_ROWS
 
     texts = ["ab", "ac", "bd", "ae",   # group 0: three on-policy rows, anchor "ae" (row 3)
              "bb", "bc", "ad", "be",   # group 1: kept too, anchor "be"

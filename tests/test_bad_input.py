@@ -7,7 +7,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from armor_trl import ArmorConfig
-from armor_trl.reward_checks import RewardFunctionError
+from armor_trl.rewards.checks import RewardFunctionError
 from testing import cpu_args, has_digit_reward, logged, make_trainer
 
 

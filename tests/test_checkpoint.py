@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from armor_trl import checkpoint as ckpt
-from armor_trl import trl_seam as seam
-from armor_trl.checkpoint import STATE_FILE, ArmorState, latest_complete_checkpoint, read_state
+from armor_trl.integration import checkpoint as ckpt
+from armor_trl.integration import trl_seam as seam
+from armor_trl.integration.checkpoint import STATE_FILE, ArmorState, latest_complete_checkpoint, read_state
 from testing import has_digit_reward, make_trainer, numbers_dataset, trainable_state
 
 

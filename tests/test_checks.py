@@ -3,7 +3,7 @@
 import pytest
 
 from armor_trl import ArmorConfig
-from armor_trl.checks import describe_update_regime, optimizer_steps_per_rollout
+from armor_trl.integration.checks import describe_update_regime, optimizer_steps_per_rollout
 from testing import cpu_args
 
 

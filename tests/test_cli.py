@@ -13,8 +13,8 @@ import yaml
 from trl import GRPOConfig
 
 from armor_trl import ArmorConfig
-from armor_trl.cli import EVAL_RESULTS_FILE, best_checkpoint, describe_resets, main, reset_schedule
-from armor_trl.recipe import parse_train_args, resolve_resume_from_checkpoint
+from armor_trl.app.cli import EVAL_RESULTS_FILE, best_checkpoint, describe_resets, main, reset_schedule
+from armor_trl.app.recipe import parse_train_args, resolve_resume_from_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RECIPE = REPO / "configs" / "tiny_demo.yaml"
@@ -170,14 +170,14 @@ def test_eval_with_a_model_that_cannot_be_loaded_is_a_one_line_error(model, tmp_
 
 
 def test_eval_refuses_fewer_samples_than_k_before_generating(tiny_model_path, monkeypatch, capsys):
-    import armor_trl.cli
-    import armor_trl.evaluation
+    import armor_trl.app.cli
+    import armor_trl.callbacks.evaluation
 
     def never(*args, **kwargs):
         raise AssertionError("nothing may be loaded or generated before the flags are checked")
 
-    monkeypatch.setattr(armor_trl.cli, "_load_model", never)
-    monkeypatch.setattr(armor_trl.evaluation, "sample_completions", never)
+    monkeypatch.setattr(armor_trl.app.cli, "_load_model", never)
+    monkeypatch.setattr(armor_trl.callbacks.evaluation, "sample_completions", never)
     assert main(["eval", "--model", tiny_model_path, "--dataset", "arithmetic", "--k", "4", "--num_samples", "2"]) == 2
     err = capsys.readouterr().err
     assert "armor-trl eval: error: --num_samples (2) must be >= --k (4)" in err
@@ -295,7 +295,7 @@ def test_eval_output_is_a_deprecated_alias_that_still_writes_the_file(tiny_model
 
 @pytest.mark.parametrize("old", [None, "--out"])
 def test_study_output_dir_and_its_deprecated_alias(old, tmp_path, monkeypatch, capsys):
-    from armor_trl.experiments import study
+    from armor_trl.app.experiments import study
 
     seen = []
     monkeypatch.setattr(study, "run_study", lambda *args, **kwargs: seen.append(args[4]))
@@ -308,7 +308,7 @@ def test_study_output_dir_and_its_deprecated_alias(old, tmp_path, monkeypatch, c
 
 @pytest.mark.parametrize("old", [None, "--output"])
 def test_anchors_output_dir_and_its_deprecated_alias(old, recipe, cwd, monkeypatch, capsys):
-    from armor_trl import pregenerate
+    from armor_trl.data import pregenerate
 
     def stop(output, settings, is_main):
         raise ValueError(f"would write to {output}")
@@ -347,7 +347,7 @@ def test_resume_from_checkpoint_strings(tmp_path):
 
 @pytest.mark.parametrize("value, expected", [("True", True), ("false", None), ("checkpoint-1", "checkpoint-1")])
 def test_train_passes_resume_from_checkpoint_to_the_trainer(value, expected, recipe, cwd, monkeypatch, capsys):
-    import armor_trl.cli
+    import armor_trl.app.cli
 
     (cwd / "out" / "checkpoint-1").mkdir(parents=True)
     monkeypatch.chdir(cwd / "out")  # a relative checkpoint path
@@ -362,7 +362,7 @@ def test_train_passes_resume_from_checkpoint_to_the_trainer(value, expected, rec
         def save_model(self, path):
             pass
 
-    monkeypatch.setattr(armor_trl.cli, "build_trainer", lambda *args, **kwargs: Trainer())
+    monkeypatch.setattr(armor_trl.app.cli, "build_trainer", lambda *args, **kwargs: Trainer())
     assert main(["train", "--config", str(recipe), "--resume_from_checkpoint", value]) == 0
     assert calls == [expected]
 
@@ -460,7 +460,7 @@ def test_a_trl_grpo_recipe_with_a_datasets_mixture_trains(recipe, cwd, capsys):
                           {"path": "json", "data_files": str(cwd / "more.jsonl"), "columns": ["prompt", "answer"]}]
     path = cwd / "mixture.yaml"
     path.write_text(yaml.safe_dump(config))
-    from armor_trl.recipe import train_datasets
+    from armor_trl.app.recipe import train_datasets
 
     script, _, _, notes = parse_train_args(["--config", str(path)])
     train, _ = train_datasets(script)
@@ -486,7 +486,7 @@ def test_eval_loads_a_lora_adapter_folder(tiny_model_path, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from armor_trl.cli import _load_model
+    from armor_trl.app.cli import _load_model
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -562,7 +562,7 @@ def test_use_cpu_under_ddp_on_a_gpu_machine_warns_that_the_gpus_idle(monkeypatch
 
     import torch
 
-    from armor_trl.launcher import check_use_cpu
+    from armor_trl.integration.launcher import check_use_cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from armor_trl import ArmorConfig
-from armor_trl.collapse_guard import best_index, collapse_detected
-from armor_trl.evaluation import ValidationCallback
-from armor_trl.checkpoint import read_state
+from armor_trl.callbacks.collapse_guard import best_index, collapse_detected
+from armor_trl.callbacks.evaluation import ValidationCallback
+from armor_trl.integration.checkpoint import read_state
 from testing import capture_rounds, cpu_args, digit_share_reward, make_trainer
 
 

@@ -5,9 +5,9 @@ import torch
 from datasets import Dataset
 
 from armor_trl import ArmorConfig
-from armor_trl.anchors import anchor_rows
-from armor_trl.column_anchors import ColumnAnchors, anchor_texts
-from armor_trl.checkpoint import read_state
+from armor_trl.rollout.anchors import anchor_rows
+from armor_trl.rollout.column_anchors import ColumnAnchors, anchor_texts
+from armor_trl.integration.checkpoint import read_state
 from testing import capture_rounds, count_reference_rows, cpu_args, logged, make_trainer
 
 

@@ -7,9 +7,9 @@ from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from armor_trl import trl_seam as seam
-from armor_trl.anchors import anchor_rows
-from armor_trl.reference import REF_ADAPTER, adapter_parameters
+from armor_trl.integration import trl_seam as seam
+from armor_trl.rollout.anchors import anchor_rows
+from armor_trl.reference.policy import REF_ADAPTER, adapter_parameters
 from testing import (StopAt, capture_rounds, check_exact_resume, cpu_args, digit_share_reward, has_digit_reward, logged,
                      make_trainer)
 

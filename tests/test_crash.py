@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from armor_trl.checkpoint import STATE_FILE
+from armor_trl.integration.checkpoint import STATE_FILE
 from testing import SCRIPTS
 
 SCRIPT = SCRIPTS / "crash_train_script.py"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-import armor_trl.datasets as ds
+import armor_trl.data.datasets as ds
 from armor_trl import rewards
-from armor_trl.datasets import (
+from armor_trl.data.datasets import (
     BOXED_INSTRUCTION,
     DAPO_PREFIX,
     DAPO_SUFFIX,
@@ -231,7 +231,7 @@ def test_nan_and_none_answers_are_no_answer(tmp_path, caplog):
     path = tmp_path / "nan.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))  # json writes the first answer as NaN
     assert "NaN" in path.read_text()
-    with caplog.at_level("WARNING", logger="armor_trl.datasets"):
+    with caplog.at_level("WARNING", logger="armor_trl.data.datasets"):
         data = load_rlvr_dataset(str(path))
     assert data["answer"] == [None, None, "5", None]
     assert "3 of 4 rows" in caplog.text and str(path) in caplog.text
@@ -304,7 +304,7 @@ def test_arithmetic_task_is_deterministic_correct_and_disjoint():
 
 
 def test_arithmetic_train_filter_restricts_training_problems_only():
-    from armor_trl.datasets import has_carry
+    from armor_trl.data.datasets import has_carry
 
     assert not has_carry(12, 35) and has_carry(18, 35) and has_carry(52, 61) and not has_carry(0, 0)
     _, plain_held_out = arithmetic_splits(16, 40, seed=1)
@@ -325,7 +325,7 @@ def test_arithmetic_train_filter_restricts_training_problems_only():
 
 
 def test_arithmetic_train_filter_from_a_recipe(tiny_model_path):
-    from armor_trl.recipe import parse_train_args, train_datasets
+    from armor_trl.app.recipe import parse_train_args, train_datasets
 
     config = Path(__file__).resolve().parent.parent / "configs" / "collapse_testbed.yaml"
     script_args, _, _, _ = parse_train_args(["--config", str(config), "--model_name_or_path", tiny_model_path,
@@ -337,7 +337,7 @@ def test_arithmetic_train_filter_from_a_recipe(tiny_model_path):
 
 # --- the carry-mix variant (arithmetic_train_carry_share) --------------------------------------------------------
 def test_carry_share_mixes_that_many_carry_problems_from_fixed_pools():
-    from armor_trl.datasets import arithmetic_prompt_has_carry, arithmetic_splits
+    from armor_trl.data.datasets import arithmetic_prompt_has_carry, arithmetic_splits
 
     plain, held_out = arithmetic_splits(64, 100, seed=1, digits=3, train_filter="no_carry", eval_filter="carry")
     sets = {}
@@ -361,7 +361,7 @@ def test_carry_share_mixes_that_many_carry_problems_from_fixed_pools():
 
 
 def test_carry_share_rejects_bad_values():
-    from armor_trl.datasets import arithmetic_splits
+    from armor_trl.data.datasets import arithmetic_splits
 
     with pytest.raises(ValueError, match=r"arithmetic_train_carry_share must lie in \[0, 1\]"):
         arithmetic_splits(64, 10, digits=3, train_filter="no_carry", train_carry_share=1.5)
@@ -370,8 +370,8 @@ def test_carry_share_rejects_bad_values():
 
 
 def test_train_carry_validation_source_holds_the_training_carry_problems():
-    from armor_trl.datasets import arithmetic_prompt_has_carry
-    from armor_trl.recipe import DataArguments, load_datasets
+    from armor_trl.data.datasets import arithmetic_prompt_has_carry
+    from armor_trl.app.recipe import DataArguments, load_datasets
 
     args = DataArguments(arithmetic_digits=3, arithmetic_train_size=64,
                          arithmetic_eval_size=20, arithmetic_train_filter="no_carry", arithmetic_eval_filter="carry",

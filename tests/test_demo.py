@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from armor_trl.cli import main
-from armor_trl.experiments import demo, study
-from armor_trl.experiments.runner import read_curves
+from armor_trl.app.cli import main
+from armor_trl.app.experiments import demo, study
+from armor_trl.app.experiments.runner import read_curves
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -52,9 +52,9 @@ def test_smoke_demo_runs_the_testbed_arms_over_seeds_and_resumes(tmp_path, capsy
     assert armor[0]["step"] == 0 and "val/avg@16" in armor[0] and any("armor/anchor_found_frac" in r for r in armor)
 
     # a rerun trains nothing (the warm model is cached, every run finished) and prints the same table
-    import armor_trl.tiny
+    import armor_trl.app.tiny
 
-    monkeypatch.setattr(armor_trl.tiny, "build_tiny_model", lambda *a, **k: pytest.fail("warm checkpoint not cached"))
+    monkeypatch.setattr(armor_trl.app.tiny, "build_tiny_model", lambda *a, **k: pytest.fail("warm checkpoint not cached"))
     assert main(["demo", "--smoke", "--seeds", "2", "--workers", "1", "--output_dir", str(tmp_path)]) == 0
     again = capsys.readouterr().out
     assert "0 run(s) trained now" in again

@@ -117,8 +117,8 @@ def test_every_bad_input_row_is_checked_by_the_tests_it_names():
 def test_the_demo_has_one_name():
     """`armor-trl --help`, `armor-trl demo --help`, the README and the recipes' headers call the demo what it runs:
     the mode testbed (configs/mode_testbed.yaml)."""
-    from armor_trl.cli import USAGE
-    from armor_trl.experiments import demo
+    from armor_trl.app.cli import USAGE
+    from armor_trl.app.experiments import demo
 
     assert demo.DEFAULT_CONFIG.name == "mode_testbed.yaml"
     usage = next(block for block in USAGE.split("\n  ") if block.startswith("demo"))
@@ -244,3 +244,46 @@ def test_the_readmes_costs_are_the_current_tables():
     assert quoted, "the README quotes no cost with its range"
     for ratio, low, high in quoted:
         assert f"{ratio} ({low}–{high})" in current.group(2), f"README's {ratio}× ({low}–{high}) is not in the table"
+
+
+def _names_the_docs_show() -> dict[str, set[str]]:
+    """{page: the dotted armor_trl names and import lines it shows} over the README, docs/ and the notebook."""
+    pages = [*PAGES, *sorted((REPO / "docs").glob("*/*.md")), *sorted((REPO / "notebooks").glob("*.ipynb"))]
+    shown = {}
+    for page in pages:
+        text = page.read_text().replace("\\n", "\n")  # a notebook's cells are JSON strings
+        names = set(re.findall(r"armor_trl(?:\.[A-Za-z_]\w*)+", text))
+        names |= {line.strip() for line in re.findall(r"^[ \t\"]*((?:from armor_trl[\w.]* import [\w, ]+|import armor_trl[\w.]*))",
+                                                       text, re.M)}
+        if names:
+            shown[str(page.relative_to(REPO))] = names
+    return shown
+
+
+def test_every_import_path_the_docs_show_resolves_without_a_moved_path():
+    """The docs move with the code (docs/architecture.md): a dotted name or an import line a page shows imports today,
+    and not through a path of the flat layout that only a DeprecationWarning keeps alive."""
+    import importlib
+    import warnings
+
+    broken = []
+    for page, names in _names_the_docs_show().items():
+        for name in sorted(names):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DeprecationWarning)
+                try:
+                    if name.startswith(("from ", "import ")):
+                        exec(name, {})
+                        continue
+                    parts = name.split(".")
+                    for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+                        try:
+                            target = importlib.import_module(".".join(parts[:cut]))
+                            break
+                        except ModuleNotFoundError:
+                            continue
+                    for attribute in parts[cut:]:
+                        target = getattr(target, attribute)
+                except Exception as error:  # noqa: BLE001 - every failure is reported with its page
+                    broken.append(f"{page}: {name}: {type(error).__name__}: {error}")
+    assert not broken, "\n".join(broken)

@@ -7,9 +7,9 @@ when n % 3 == 0, by none when n % 3 == 1, and by every other sample (row parity)
 import pytest
 import torch
 
-from armor_trl.advantages import group_advantages, group_quantile
-from armor_trl.checkpoint import read_state
-from armor_trl.refill import RefillSampler, concat_rows, take_rows
+from armor_trl.algorithm.advantages import group_advantages, group_quantile
+from armor_trl.integration.checkpoint import read_state
+from armor_trl.rollout.refill import RefillSampler, concat_rows, take_rows
 from testing import StopAt, has_digit_reward, logged, make_trainer, numbers_dataset, scripted, trainable_state
 
 G = 4

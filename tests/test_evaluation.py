@@ -13,8 +13,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from armor_trl import trl_seam
-from armor_trl.evaluation import (
+from armor_trl.integration import trl_seam
+from armor_trl.callbacks.evaluation import (
     NothingJudgedError, ValidationCallback, completion_logps, evaluate, evaluate_with_trainer, pass_at_k, pass_curve,
     sample_completions, shard,
 )
@@ -197,7 +197,7 @@ def test_validation_callback_without_its_trainer_still_records(tiny_model_path, 
 def test_validation_callback_refuses_zero3_instead_of_hanging():
     from types import SimpleNamespace
 
-    from armor_trl.evaluation import ValidationCallback
+    from armor_trl.callbacks.evaluation import ValidationCallback
 
     callback = ValidationCallback(eval_dataset=None, verifier=lambda **kw: [], every_steps=1)
     args = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))
@@ -358,7 +358,7 @@ class ModeScriptedModel(torch.nn.Module):
 
 
 def test_validation_logs_each_modes_share_of_the_sampled_completions(tiny_tokenizer):
-    from armor_trl.modes import classify
+    from armor_trl.rewards.modes import classify
     from armor_trl.rewards import final_integer_reward
 
     texts = {"12+35=": ["2+5=7,1+3=4#47", "#47", "#47", "47"], "18+35=": ["8+5=13,1+3+1=5#53"] * 3 + ["#43"],

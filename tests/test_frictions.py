@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from armor_trl import ArmorConfig
-from armor_trl.cli import main
+from armor_trl.app.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 

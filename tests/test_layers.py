@@ -16,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "armor_trl"
 # The CLI/app layer: everything else under armor_trl is library and must not import these.
-CLI_LAYER = ("armor_trl.cli", "armor_trl.__main__", "armor_trl.recipe", "armor_trl.experiments")
+CLI_LAYER = ("armor_trl.app.cli", "armor_trl.__main__", "armor_trl.app.recipe", "armor_trl.app.experiments")
 
 
 def module_name(path: Path) -> str:
@@ -62,7 +62,7 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, str 
 
 
 def owning_module(target: str, known: set[str]) -> str | None:
-    """The armor_trl module of an imported dotted name (``import armor_trl.experiments.demo`` -> that module)."""
+    """The armor_trl module of an imported dotted name (``import armor_trl.app.experiments.demo`` -> that module)."""
     while target and target not in known:
         target = target.rpartition(".")[0]
     return target or None
@@ -139,7 +139,7 @@ def test_the_graph_sees_relative_absolute_and_function_level_imports(tmp_path, m
 
 def test_no_import_cycle_among_armor_trl_modules():
     graph = import_graph()
-    assert len(graph) > 20 and "armor_trl.cli" in graph  # the real package was read
+    assert len(graph) > 20 and "armor_trl.app.cli" in graph  # the real package was read
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {describe(cycle, graph)}"
 
@@ -169,6 +169,6 @@ def test_no_module_imports_another_modules_private_names():
         "\n".join(offending)
 
 
-@pytest.mark.parametrize("name", ["armor_trl.pregenerate", "armor_trl.trainer", "armor_trl.evaluation"])
+@pytest.mark.parametrize("name", ["armor_trl.data.pregenerate", "armor_trl.trainer", "armor_trl.callbacks.evaluation"])
 def test_key_library_modules_are_library(name):
     assert name in modules() and not in_cli_layer(name)

@@ -1,4 +1,4 @@
-"""Rows taken out of the loss (armor_trl/loss_rows.py): for every loss_type TRL 1.16's GRPOTrainer accepts, a row the
+"""Rows taken out of the loss (armor_trl/algorithm/loss_rows.py): for every loss_type TRL 1.16's GRPOTrainer accepts, a row the
 gate (AnchorRollout.mask_groups) or dynamic sampling's filler takes out contributes nothing, and the loss divides by
 what that loss type divides by, over the kept rows: checked against a hand computation of the loss."""
 

@@ -1,7 +1,7 @@
 """The mixed ratio r_mix under every loss type of TRL 1.16 and both importance-sampling levels (docs/algorithm.md, "The
 mixed ratio in each of TRL's losses").
 
-ARMOR hands TRL's own loss mixture log-probs (armor_trl/mixture.py); these tests check what TRL's loss then computes,
+ARMOR hands TRL's own loss mixture log-probs (armor_trl/algorithm/mixture.py); these tests check what TRL's loss then computes,
 loss and gradient, against a float64 hand computation written from the definitions, in the multi-update regime
 (num_iterations = 2, the policy moved away from π_old so that the clip binds), with anchors and a group the gate
 drops. At α = 1 its loss and gradient are GRPOTrainer's on the same round (anchors included), and without anchors
@@ -18,7 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from armor_trl.config import SUPPORTED_LOSS_TYPES
-from armor_trl.loss_rows import KEPT_ROWS
+from armor_trl.algorithm.loss_rows import KEPT_ROWS
 from testing import cpu_args, has_digit_reward, logged, make_trainer, numbers_dataset, scripted, trainable_state
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from armor_trl import mixed_logprobs, mixed_ratio, trust_region_bounds
-from armor_trl.mixture import default_alpha, k3_kl, kl_estimate, sequence_log_ratios
+from armor_trl.algorithm.mixture import default_alpha, k3_kl, kl_estimate, sequence_log_ratios
 
 
 def direct_mixture(logp, ref_logp, alpha):
@@ -111,11 +111,11 @@ def test_k3_kl_is_nonnegative_and_zero_on_equal_inputs():
 
 def test_public_names_are_the_functions_whatever_was_imported_first():
     import armor_trl
-    import armor_trl.mixture  # noqa: F401  (a submodule import sets a package attribute of its name)
+    import armor_trl.algorithm.mixture  # noqa: F401  (a submodule import sets a package attribute of its name)
     import armor_trl.trainer  # noqa: F401
 
     assert callable(armor_trl.mixed_ratio) and callable(armor_trl.mixed_logprobs)
-    assert armor_trl.mixed_ratio is armor_trl.mixture.mixed_ratio
+    assert armor_trl.mixed_ratio is armor_trl.algorithm.mixture.mixed_ratio
 
 
 # --- KL over completions: two scripted "models" emitting 2 tokens, each from its own categorical per position ----

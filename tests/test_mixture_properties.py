@@ -1,4 +1,4 @@
-"""Property tests (hypothesis) for the Mixed Optimization math in armor_trl/mixture.py.
+"""Property tests (hypothesis) for the Mixed Optimization math in armor_trl/algorithm/mixture.py.
 
 Random inputs include −inf log-probs (tokens a policy cannot produce), log-probs down to −1e4, α near 0 and
 near 1, and float64 / float32 / bf16 tensors. The oracle is computed per element in Python float64 from the

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from armor_trl.datasets import arithmetic_problems, arithmetic_splits, has_carry
-from armor_trl.experiments.runner import warm_start, warmup_modes
-from armor_trl.modes import (
+from armor_trl.data.datasets import arithmetic_problems, arithmetic_splits, has_carry
+from armor_trl.app.experiments.runner import warm_start, warmup_modes
+from armor_trl.rewards.modes import (
     CARRYING, DIRECT, OTHER, WORKED, classify, classify_carries, column_steps, max_completion_chars, mode_text, parse_problem, resolve_classifier,
 )
 from armor_trl.rewards import final_integer_reward
@@ -98,11 +98,11 @@ def test_carry_and_no_carry_sets_are_seeded_disjoint_and_what_they_say():
 
 def test_resolve_classifier():
     assert resolve_classifier("arithmetic") is classify
-    assert resolve_classifier("armor_trl.modes:classify") is classify
+    assert resolve_classifier("armor_trl.rewards.modes:classify") is classify
     with pytest.raises(ValueError, match="val_mode_classifier"):
         resolve_classifier("nope")
     with pytest.raises(ValueError, match="Could not load"):
-        resolve_classifier("armor_trl.modes:nope")
+        resolve_classifier("armor_trl.rewards.modes:nope")
 
 
 def test_warmup_mode_mix_is_checked():
@@ -116,8 +116,8 @@ def test_warmup_mode_mix_is_checked():
 def test_mixed_mode_warm_up_and_the_plain_cache_key(tmp_path, monkeypatch):
     """A short warm-up on the mode testbed writes both modes (record has the calibration's mode shares); the plain
     recipes' cache keys do not move (no new key unless a new field is set)."""
-    import armor_trl.evaluation as evaluation
-    from armor_trl.experiments.runner import read_recipe
+    import armor_trl.callbacks.evaluation as evaluation
+    from armor_trl.app.experiments.runner import read_recipe
 
     _, recipe = read_recipe(CONFIGS / "mode_testbed.yaml")
     settings = dict(recipe["demo"])

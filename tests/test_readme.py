@@ -80,7 +80,7 @@ def test_quickstart_runs_on_the_tiny_model(tiny_model_path, tmp_path, monkeypatc
     import armor_trl
     import datasets
 
-    from armor_trl.checks import optimizer_steps_per_rollout
+    from armor_trl.integration.checks import optimizer_steps_per_rollout
 
     code = quickstart()
     assert code.count(QUICKSTART_MODEL) == 1 and code.count(QUICKSTART_DATA) == 1
@@ -123,7 +123,7 @@ def test_the_cpu_quickstart_runs_as_written(tmp_path, monkeypatch, caplog):
     anchors, the mixed ratio acts (several optimizer steps per rollout batch), bf16 left unset trains in fp32."""
     import logging
 
-    from armor_trl.checks import optimizer_steps_per_rollout
+    from armor_trl.integration.checks import optimizer_steps_per_rollout
 
     code = quickstart(1)
     assert "build_tiny_model" in code and "bf16" not in code.split("trainer.train()")[0]

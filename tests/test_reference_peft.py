@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from armor_trl.reference import REF_ADAPTER, ReferencePolicy
+from armor_trl.reference.policy import REF_ADAPTER, ReferencePolicy
 
 # Each layout keeps weights whose PEFT names end with the adapter name, or carry it in the middle.
 LAYOUTS = {

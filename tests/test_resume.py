@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from armor_trl.checkpoint import STATE_FILE, read_state
+from armor_trl.integration.checkpoint import STATE_FILE, read_state
 from testing import StopAt, digit_share_reward, has_digit_reward, make_trainer
 
 LORA = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), learning_rate=5e-2)
@@ -78,7 +78,7 @@ def test_resume_from_a_checkpoint_not_written_by_armor_is_refused(tiny_model_pat
 def test_rotation_keeps_the_last_complete_checkpoint_until_the_new_one_is_complete(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
 ):
-    from armor_trl.reference import ReferencePolicy
+    from armor_trl.reference.policy import ReferencePolicy
 
     trainer = make_trainer(
         tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=3, save_strategy="steps", save_steps=1,

@@ -6,7 +6,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer, generate_completions
-from armor_trl.anchors import anchor_rows
+from armor_trl.rollout.anchors import anchor_rows
 from testing import (StopAt, capture_rounds, check_exact_resume, cpu_args, digit_share_reward, has_digit_reward,
                      logged)
 

@@ -1,4 +1,4 @@
-"""Same-call anchors (``anchor_same_call``, armor_trl/anchor_rollout.py): when π_ref holds the weights that generate
+"""Same-call anchors (``anchor_same_call``, armor_trl/rollout/anchor_rollout.py): when π_ref holds the weights that generate
 the round, the K candidates per group are extra rows of the policy's own generate call and π_ref's log-probs are the
 old policy's. The switch must engage exactly then, and draw anchors from the same distribution as a separate call.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from armor_trl import trl_seam as seam
+from armor_trl.integration import trl_seam as seam
 from testing import cpu_args, logged, make_trainer
 
 
@@ -238,7 +238,7 @@ def test_same_call_only_without_dropout(disable_dropout, tiny_model_path, tiny_t
 def test_dropout_in_the_model_config_counts_as_active(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    from armor_trl.anchor_rollout import dropout_active
+    from armor_trl.rollout.anchor_rollout import dropout_active
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     model.train()
@@ -252,7 +252,7 @@ def test_dropout_in_the_model_config_counts_as_active(tiny_model_path):
 def test_loading_the_best_model_at_the_end_counts_as_a_change_of_the_policy_weights():
     from types import SimpleNamespace
 
-    from armor_trl.reference import ReferenceResetCallback, ReferencePolicy
+    from armor_trl.reference.policy import ReferenceResetCallback, ReferencePolicy
 
     reference = ReferencePolicy("full")
     reference.copied_version = reference.policy_version  # π_ref = the policy, e.g. right after a reset
@@ -269,7 +269,7 @@ def test_loading_the_best_model_at_the_end_marks_the_vllm_engine_stale(tiny_mode
     # weights (TRL's step marker = the last step) must push them again before a later evaluate() samples
     from transformers import TrainerCallback
 
-    from armor_trl import trl_seam as seam
+    from armor_trl.integration import trl_seam as seam
 
     from armor_trl import ArmorConfig, ArmorGRPOTrainer
     from testing import cpu_args, has_digit_reward

@@ -11,7 +11,7 @@ import statistics
 import numpy as np
 import pytest
 
-from armor_trl.experiments import stats
+from armor_trl.app.experiments import stats
 
 
 def _enumerated(groups, level=0.95):
@@ -173,7 +173,7 @@ def carry_mix_run(val, share):
 
 
 def test_carry_mix_criterion_needs_both_falls_on_enough_warm_checkpoints():
-    from armor_trl.experiments.stats import carry_mix_criterion
+    from armor_trl.app.experiments.stats import carry_mix_criterion
 
     falls = {0: carry_mix_run([0.35, 0.25], [0.6, 0.4]), 1: carry_mix_run([0.33, 0.29], [0.6, 0.5])}
     only_val = {0: carry_mix_run([0.35, 0.20], [0.6, 0.58]), 1: carry_mix_run([0.35, 0.20], [0.6, 0.55])}

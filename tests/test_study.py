@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from armor_trl.cli import main
-from armor_trl.experiments import stats, study
-from armor_trl.experiments.runner import read_curves, resolve_overrides
-from armor_trl.recipe import load_recipe
+from armor_trl.app.cli import main
+from armor_trl.app.experiments import stats, study
+from armor_trl.app.experiments.runner import read_curves, resolve_overrides
+from armor_trl.app.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -258,7 +258,7 @@ def test_smoke_study_over_warm_checkpoints_names_files_resumes_and_reports_per_w
     import os
     import subprocess
 
-    from armor_trl.experiments.runner import read_recipe, smoke_version, warm_start
+    from armor_trl.app.experiments.runner import read_recipe, smoke_version, warm_start
 
     out = tmp_path / "study" / "warm"
     assert _study(out, "--warmup_seeds", "0,1", "--primary", "armor:grpo") == 0

@@ -8,8 +8,8 @@ from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer, mixed_logprobs
-from armor_trl import trl_seam as seam
-from armor_trl.anchors import anchor_rows
+from armor_trl.integration import trl_seam as seam
+from armor_trl.rollout.anchors import anchor_rows
 from testing import capture_rounds, cpu_args, has_digit_reward, logged, make_trainer, trainable_state
 
 

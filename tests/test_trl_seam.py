@@ -9,7 +9,7 @@ from packaging.version import Version
 from packaging.specifiers import SpecifierSet
 
 import armor_trl
-from armor_trl import trl_seam
+from armor_trl.integration import trl_seam
 
 
 def test_installed_trl_is_a_supported_version():

@@ -8,7 +8,7 @@ the main suite without vLLM; ``test_vllm_engine.py`` checks the same behaviours 
 import torch
 from peft import LoraConfig
 
-from armor_trl import checks
+from armor_trl.integration import checks
 
 from testing import capture_rounds, logged, make_trainer
 

@@ -30,10 +30,10 @@ from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from armor_trl import trl_seam as seam  # noqa: E402
-from armor_trl.checkpoint import STATE_FILE  # noqa: E402
-from armor_trl.evaluation import evaluate, evaluate_with_trainer  # noqa: E402
-from armor_trl.tiny import build_tiny_model, build_tokenizer  # noqa: E402
+from armor_trl.integration import trl_seam as seam  # noqa: E402
+from armor_trl.integration.checkpoint import STATE_FILE  # noqa: E402
+from armor_trl.callbacks.evaluation import evaluate, evaluate_with_trainer  # noqa: E402
+from armor_trl.app.tiny import build_tiny_model, build_tokenizer  # noqa: E402
 from testing import (  # noqa: E402
     REPO, SCRIPTS, cpu_args, load_gpu_check, digit_share_reward, has_digit_reward, logged, make_trainer, numbers_dataset, scripted,
     trainable_state,

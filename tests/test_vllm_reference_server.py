@@ -12,8 +12,8 @@ from torch import nn
 from transformers import TrainerCallback
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from armor_trl.reference import ReferencePolicy, adapter_parameters
-from armor_trl.vllm_reference import ReferenceServer
+from armor_trl.reference.policy import ReferencePolicy, adapter_parameters
+from armor_trl.reference.vllm_server import ReferenceServer
 from testing import capture_rounds, cpu_args
 
 REFERENCE_URL = "http://localhost:8001"
@@ -75,7 +75,7 @@ def server_trainer(monkeypatch, tiny_model_path, tiny_tokenizer, dataset, tmp_pa
     monkeypatch.setattr("trl.trainer.grpo_trainer.VLLMGeneration", make_server)
     monkeypatch.setattr("trl.generation.vllm_generation.VLLMGeneration", make_server)
     # server mode needs a CUDA trainer (NCCL weight transfer); the fake servers take the weights on the CPU
-    monkeypatch.setattr("armor_trl.checks.check_vllm_device", lambda args: None)
+    monkeypatch.setattr("armor_trl.integration.checks.check_vllm_device", lambda args: None)
     peft_config = overrides.pop("peft_config", None)
     args = ArmorConfig(
         output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_reference_server_base_url=REFERENCE_URL,
@@ -209,7 +209,7 @@ def test_trl_vllm_generation_takes_the_settings_the_reference_server_passes():
 
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from armor_trl.vllm_reference import SHARED_SETTINGS
+    from armor_trl.reference.vllm_server import SHARED_SETTINGS
 
     parameters = set(inspect.signature(VLLMGeneration.__init__).parameters)
     expected = {"model", "accelerator", "processing_class", "mode", "server_base_url", "group_port", *SHARED_SETTINGS}

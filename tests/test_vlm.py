@@ -13,7 +13,7 @@ from transformers import GenerationMixin
 from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from armor_trl.tiny import build_tiny_vlm, build_tiny_vlm_processor
+from armor_trl.app.tiny import build_tiny_vlm, build_tiny_vlm_processor
 from testing import StopAt, capture_rounds, cpu_args, logged
 
 
@@ -234,7 +234,7 @@ def test_what_stays_refused_for_a_vlm_says_why(fields, message, vlm_path, proces
 
 def test_vllm_anchors_for_a_vlm_are_refused_naming_what_works(tmp_path):
     """(Checked on the config: without vllm installed TRL stops at construction before ARMOR's check.)"""
-    from armor_trl.checks import check_vlm_anchors
+    from armor_trl.integration.checks import check_vlm_anchors
 
     with pytest.raises(ValueError, match="vision-language model needs use_vllm=False.*use_anchors=False"):
         check_vlm_anchors(ArmorConfig(output_dir=str(tmp_path), **cpu_args(use_vllm=True)))
@@ -260,13 +260,13 @@ def test_the_vlm_recipe_keeps_each_rows_image_with_its_chat_prompt(monkeypatch, 
     training rows keep their images beside chat prompts, as TRL's VLM path reads them."""
     from pathlib import Path
 
-    import armor_trl.datasets
-    from armor_trl.recipe import parse_train_args, train_datasets
+    import armor_trl.data.datasets
+    from armor_trl.app.recipe import parse_train_args, train_datasets
 
     stand_in = Dataset.from_list([{"image": image_of(n), "problem": f"What is {n}+{n + 1}?",
                                    "solution": f"\\boxed{{{2 * n + 1}}}", "original_question": "",
                                    "original_answer": ""} for n in range(3)])
-    monkeypatch.setattr(armor_trl.datasets, "load_dataset", lambda path, name=None, split=None, **kw: stand_in)
+    monkeypatch.setattr(armor_trl.data.datasets, "load_dataset", lambda path, name=None, split=None, **kw: stand_in)
     recipe = Path(__file__).resolve().parents[1] / "configs" / "qwen2.5-vl-3b_lora_vlm.yaml"
     script, training_args, _, _ = parse_train_args(["--config", str(recipe), "--dry_run"])
     train, _ = train_datasets(script)
@@ -281,7 +281,7 @@ def test_with_lora_the_reference_adapter_samples_candidates_with_their_images(vl
     """The recipe's set-up (LoRA): π_ref is the "ref" adapter, active while the candidates are generated."""
     from peft import LoraConfig
 
-    from armor_trl.reference import REF_ADAPTER
+    from armor_trl.reference.policy import REF_ADAPTER
 
     calls = record_generate(monkeypatch)
     active = []
@@ -311,7 +311,7 @@ def test_with_lora_the_reference_adapter_samples_candidates_with_their_images(vl
 def test_a_processor_field_that_cannot_be_cut_into_rows_is_named():
     """A processor whose image fields are neither per patch with image_grid_thw, per image nor per row stops the
     anchor round naming the field and the models that work."""
-    from armor_trl.multimodal import RowMedia
+    from armor_trl.rollout.multimodal import RowMedia
 
     prompt_ids = [[1, 2], [3, 4], [5, 6]]
     fields = {"pixel_values": torch.zeros(7, 4)}  # 7 tiles for 3 rows of one image each

@@ -18,7 +18,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from armor_trl import trl_seam as seam
+from armor_trl.integration import trl_seam as seam
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"  # what the tests launch in subprocesses (torchrun, accelerate, a killed run)

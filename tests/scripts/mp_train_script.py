@@ -46,7 +46,9 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
-from armor_trl import ArmorConfig, ArmorGRPOTrainer, evaluation  # noqa: E402
+from armor_trl import ArmorConfig, ArmorGRPOTrainer
+
+from armor_trl.callbacks import evaluation  # noqa: E402
 
 # What the reward function saw on this process: the phase is "candidates" while the trainer scores reference
 # candidates for anchors and "rollout" otherwise.
@@ -253,8 +255,8 @@ def read_checkpoints(output_dir: str) -> dict:
     """What ARMOR wrote beside each checkpoint: its state file and a checksum of the saved reference weights."""
     from safetensors.torch import load_file
 
-    from armor_trl.checkpoint import STATE_FILE, read_state
-    from armor_trl.reference import REF_WEIGHTS_FILE
+    from armor_trl.integration.checkpoint import STATE_FILE, read_state
+    from armor_trl.reference.policy import REF_WEIGHTS_FILE
 
     found = {}
     if not os.path.isdir(output_dir):

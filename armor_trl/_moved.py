@@ -1,0 +1,54 @@
+"""The import paths of the flat layout before 0.2 (``armor_trl.mixture``, ``armor_trl.trl_seam``, ``armor_trl.cli``, ...)
+keep working: each names the module in its new folder (the same module object, so a patch through either name reaches
+it), with a DeprecationWarning that gives the new path."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import warnings
+
+MOVED = {
+    "mixture": "algorithm.mixture", "advantages": "algorithm.advantages", "loss_rows": "algorithm.loss_rows",
+    "anchor_rollout": "rollout.anchor_rollout", "anchor_waves": "rollout.anchor_waves", "anchors": "rollout.anchors",
+    "column_anchors": "rollout.column_anchors", "dynamic_sampling": "rollout.dynamic_sampling",
+    "refill": "rollout.refill", "rollout_func": "rollout.rollout_func", "multimodal": "rollout.multimodal",
+    "vllm_swap": "reference.vllm_swap", "vllm_reference": "reference.vllm_server",
+    "trl_seam": "integration.trl_seam", "checkpoint": "integration.checkpoint", "checks": "integration.checks",
+    "launcher": "integration.launcher", "armor_metrics": "integration.metrics",
+    "reward_checks": "rewards.checks", "modes": "rewards.modes",
+    "datasets": "data.datasets", "pregenerate": "data.pregenerate",
+    "evaluation": "callbacks.evaluation", "collapse_guard": "callbacks.collapse_guard",
+    "cli": "app.cli", "recipe": "app.recipe", "real_model": "app.real_model", "tiny": "app.tiny",
+    "experiments": "app.experiments",
+}
+
+
+class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``armor_trl.<old name>`` (and what lies under a moved package, e.g. ``armor_trl.experiments.study``)."""
+
+    def __init__(self, package: str):
+        self.package = package
+
+    def new_name(self, fullname: str) -> str | None:
+        prefix = self.package + "."
+        if not fullname.startswith(prefix):
+            return None
+        head, _, rest = fullname[len(prefix):].partition(".")
+        if head not in MOVED:
+            return None
+        return prefix + MOVED[head] + (f".{rest}" if rest else "")
+
+    def find_spec(self, fullname, path=None, target=None):
+        if self.new_name(fullname) is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        new = self.new_name(spec.name)
+        warnings.warn(f"{spec.name} moved to {new}; import it from there", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module):
+        """The module was executed under its new name."""

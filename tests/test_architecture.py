@@ -1,0 +1,104 @@
+"""The house (docs/architecture.md): the library a TRL user imports stands apart from the application, the flat
+layout's import paths still work, and no module outgrows a room."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+
+from armor_trl._moved import MOVED
+
+PACKAGE = Path(__file__).resolve().parents[1] / "armor_trl"
+APPLICATION = "armor_trl.app"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path) -> set[str]:
+    """Every module `path` imports, at module level or inside functions, relative imports resolved."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found.add(node.args[0].value)
+    return found
+
+
+def library_modules() -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if not module_name(p).startswith(APPLICATION)
+            and p.name != "__main__.py"]  # `python -m armor_trl` runs the command: the one door into the application
+
+
+def test_the_library_never_imports_the_application():
+    offences = {module_name(p): sorted(n for n in imported(p) if n == APPLICATION or n.startswith(APPLICATION + "."))
+                for p in library_modules()}
+    assert not {k: v for k, v in offences.items() if v}, offences
+
+
+def test_the_library_does_not_reach_the_application_through_the_old_paths():
+    """``armor_trl.cli`` / ``recipe`` / ``tiny`` / ... name application modules since the move; a library module that
+    imported them by their old names would cross the line unseen by the test above."""
+    old_application = {f"armor_trl.{old}" for old, new in MOVED.items() if new.startswith("app.")}
+    offences = {module_name(p): sorted(n for n in imported(p) if n.split(".")[:2] and
+                                       ".".join(n.split(".")[:2]) in old_application) for p in library_modules()}
+    assert not {k: v for k, v in offences.items() if v}, offences
+
+
+def test_the_line_test_sees_an_import_of_the_application(tmp_path):
+    """The parser above finds the forms an offence can take (absolute, relative, inside a function, by string)."""
+    folder = PACKAGE / "rollout"
+    probe = folder / "_probe_for_the_line_test.py"
+    probe.write_text("from ..app import tiny\nimport armor_trl.app.cli\n\ndef f():\n    from armor_trl.app.recipe import x\n"
+                     "    importlib.import_module('armor_trl.app.experiments')\n")
+    try:
+        found = imported(probe)
+    finally:
+        probe.unlink()
+    assert {"armor_trl.app", "armor_trl.app.cli", "armor_trl.app.recipe", "armor_trl.app.experiments"} <= found
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_import_path_of_the_flat_layout_names_the_moved_module(old):
+    new = importlib.import_module(f"armor_trl.{MOVED[old]}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert importlib.import_module(f"armor_trl.{old}") is new
+    assert new.__name__ == f"armor_trl.{MOVED[old]}"
+
+
+def test_the_old_path_warns_with_the_new_one():
+    import sys
+
+    sys.modules.pop("armor_trl.launcher", None)
+    with pytest.warns(DeprecationWarning, match=r"armor_trl\.launcher moved to armor_trl\.integration\.launcher"):
+        importlib.import_module("armor_trl.launcher")
+
+
+def test_a_module_under_a_moved_package_keeps_its_old_path():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old = importlib.import_module("armor_trl.experiments.stats")
+    assert old is importlib.import_module("armor_trl.app.experiments.stats")
+
+
+def test_an_unknown_submodule_is_still_an_import_error():
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("armor_trl.no_such_module")
