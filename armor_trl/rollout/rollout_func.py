@@ -115,6 +115,9 @@ class RolloutFuncAnchors(AnchorRollout):
             return extras[key]
         return [1] * len(completion_ids) if key == "env_mask" else None
 
+    def defers_candidates(self) -> bool:
+        return False  # π_ref's candidates go through the function with their round's prompts and extra fields
+
     def _needs_no_generation(self) -> bool:
         return self.column is not None and self.column.active(self.trainer.reference.resets)
 
