@@ -441,3 +441,46 @@ def test_processes_sample_as_many_rows_as_the_busiest_one(tiny_model_path, tiny_
     assert anchors[1] == [9] and anchors[3] == [11, 12]  # left-out groups keep their filler; no anchor anywhere
     assert anchor_round.has_anchor.tolist() == [False] * 4 and anchor_round.eligible.tolist() == eligible.tolist()
     assert len(anchor_round.candidates_verified) == 2 * K  # the local groups' candidates only, padding discarded
+
+
+@pytest.mark.parametrize("threshold", [2.0, 0.0])  # nothing passes / every candidate passes
+def test_the_draw_after_the_loop_pads_to_the_busiest_process_and_fills_only_its_slots(
+        tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, threshold):
+    # one process of two: its batch holds 4 groups, 2 of them deferred (one beyond the groups that train: a short
+    # batch's filler); the other process has 2 more groups to draw, so this one pads its call with a repeated group
+    from armor_trl.algorithm.loss_rows import KEPT_ROWS
+    from armor_trl.rollout.deferred_anchors import DEFERRED
+    from testing import count_reference_rows
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path, dynamic_sampling=True,
+                           anchor_filter="keep", anchor_reward_threshold=threshold)
+
+    def gather(tensor):
+        other = tensor + 2 if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() == 1 else tensor
+        return torch.cat([tensor, other])
+
+    monkeypatch.setattr(trainer.accelerator, "gather", gather)
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    rows = count_reference_rows(monkeypatch, trainer)
+    prompts = [f"{n}+{n + 1}=" for n in range(4)]
+    prompt_ids = torch.tensor([tiny_tokenizer(p)["input_ids"] for p in prompts]).repeat_interleave(G, dim=0)
+    filler = torch.tensor([[7, 8, 9]] * (4 * G))
+    slot = torch.arange(4 * G) % G == G - 1
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": filler,
+             "completion_mask": (~slot).long().unsqueeze(1).repeat(1, 3), "advantages": torch.zeros(4 * G),
+             "armor_reward": torch.where(slot, torch.nan, 1.0), "armor_correctness": torch.where(slot, torch.nan, 1.0),
+             "armor_is_anchor": torch.zeros(4 * G, dtype=torch.bool), KEPT_ROWS: ~slot,
+             DEFERRED: slot & torch.tensor([True, False, False, True]).repeat_interleave(G)}
+    anchors, placed = trainer.anchor_rollout.deferred_anchors(batch, [{"prompt": p} for p in prompts], 3)
+    assert DEFERRED not in batch
+    assert rows == [(1 + 2) * K]  # one call: the 1 deferred group that trains + 2 padding groups, K candidates each
+    assert anchors.eligible.tolist() == [True, False, False, False] and anchors.after_loop
+    assert trainer.anchor_rollout.counts["deferred_groups"] == 1 and trainer.anchor_rollout.counts["deferred_calls"] == 1
+    assert placed == ([] if threshold > 1 else [G - 1])
+    assert batch["armor_is_anchor"].nonzero().flatten().tolist() == placed
+    assert batch[KEPT_ROWS].tolist() == [not s or r in placed for r, s in enumerate(slot.tolist())]
+    others = [r for r in range(4 * G) if r not in placed]
+    assert (batch["completion_ids"][others, :3] == 7 + torch.arange(3)).all()  # every other row as it was
+    if placed:
+        length = int(batch["completion_mask"][G - 1].sum())
+        assert length > 0 and batch["armor_reward"][G - 1] >= threshold

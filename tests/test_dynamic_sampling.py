@@ -140,15 +140,18 @@ def test_the_armor_gate_drops_mixed_groups_without_an_anchor(tiny_model_path, ti
     assert logged(trainer, "armor/dropped_no_anchor_frac")[0] > 0
 
 
-@pytest.mark.parametrize("sampling", ["eager", "lazy"])
-def test_resume_after_refill_rounds_continues_exactly(tiny_model_path, tiny_tokenizer, tmp_path, sampling):
+@pytest.mark.parametrize("sampling, anchor_filter", [("eager", "drop"), ("lazy", "drop"), ("eager", "keep"),
+                                                     ("lazy", "keep")])  # keep: anchors drawn after the refill loop
+def test_resume_after_refill_rounds_continues_exactly(tiny_model_path, tiny_tokenizer, tmp_path, sampling,
+                                                      anchor_filter):
     common = dict(
         reward_funcs=scripted, max_steps=4, dynamic_sampling=True, save_strategy="steps", save_steps=2,
-        anchor_num_samples=2, anchor_sampling=sampling,
+        anchor_num_samples=2, anchor_sampling=sampling, anchor_filter=anchor_filter,
     )
     dataset = numbers_dataset(range(30))
     straight = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "straight", **common)
     straight.train()
+    assert (straight.anchor_rollout.counts["deferred_groups"] > 0) == (anchor_filter == "keep")
     interrupted = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "cut", **common)
     interrupted.add_callback(StopAt(2))
     interrupted.train()
