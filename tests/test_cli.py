@@ -13,7 +13,9 @@ import yaml
 from trl import GRPOConfig
 
 from armor_trl import ArmorConfig
-from armor_trl.app.cli import EVAL_RESULTS_FILE, best_checkpoint, describe_resets, main, reset_schedule
+from armor_trl.app.cli import main
+from armor_trl.app.cli.eval import EVAL_RESULTS_FILE
+from armor_trl.app.cli.train import best_checkpoint, describe_resets, reset_schedule
 from armor_trl.app.recipe import parse_train_args, resolve_resume_from_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,13 +172,13 @@ def test_eval_with_a_model_that_cannot_be_loaded_is_a_one_line_error(model, tmp_
 
 
 def test_eval_refuses_fewer_samples_than_k_before_generating(tiny_model_path, monkeypatch, capsys):
-    import armor_trl.app.cli
+    import armor_trl.app.cli.eval
     import armor_trl.callbacks.evaluation
 
     def never(*args, **kwargs):
         raise AssertionError("nothing may be loaded or generated before the flags are checked")
 
-    monkeypatch.setattr(armor_trl.app.cli, "_load_model", never)
+    monkeypatch.setattr(armor_trl.app.cli.eval, "_load_model", never)
     monkeypatch.setattr(armor_trl.callbacks.evaluation, "sample_completions", never)
     assert main(["eval", "--model", tiny_model_path, "--dataset", "arithmetic", "--k", "4", "--num_samples", "2"]) == 2
     err = capsys.readouterr().err
@@ -347,7 +349,7 @@ def test_resume_from_checkpoint_strings(tmp_path):
 
 @pytest.mark.parametrize("value, expected", [("True", True), ("false", None), ("checkpoint-1", "checkpoint-1")])
 def test_train_passes_resume_from_checkpoint_to_the_trainer(value, expected, recipe, cwd, monkeypatch, capsys):
-    import armor_trl.app.cli
+    import armor_trl.app.cli.train
 
     (cwd / "out" / "checkpoint-1").mkdir(parents=True)
     monkeypatch.chdir(cwd / "out")  # a relative checkpoint path
@@ -362,7 +364,7 @@ def test_train_passes_resume_from_checkpoint_to_the_trainer(value, expected, rec
         def save_model(self, path):
             pass
 
-    monkeypatch.setattr(armor_trl.app.cli, "build_trainer", lambda *args, **kwargs: Trainer())
+    monkeypatch.setattr(armor_trl.app.cli.train, "build_trainer", lambda *args, **kwargs: Trainer())
     assert main(["train", "--config", str(recipe), "--resume_from_checkpoint", value]) == 0
     assert calls == [expected]
 
@@ -486,7 +488,7 @@ def test_eval_loads_a_lora_adapter_folder(tiny_model_path, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from armor_trl.app.cli import _load_model
+    from armor_trl.app.cli.eval import _load_model
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
