@@ -10,6 +10,7 @@ import pytest
 from armor_trl.app.cli import main
 from armor_trl.app.experiments import demo, study
 from armor_trl.app.experiments.runner import read_curves
+from armor_trl.app.experiments.summary import summarize
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -73,7 +74,7 @@ def test_headline_follows_the_summary():
         "grpo": {0: _curve([(0, 0.45), (50, 0.52), (100, 0.40)]), 1: _curve([(0, 0.46), (50, 0.50), (100, 0.42)])},
         "armor": {0: _curve([(0, 0.45), (50, 0.51), (100, 0.44)]), 1: _curve([(0, 0.46), (50, 0.50), (100, 0.45)])},
     }
-    summary = study.summarize(curves, resamples=200)
+    summary = summarize(curves, resamples=200)
     summary.update(out="results/demo/x", seeds=[0, 1], runs_executed=4, wall_time_s=12.0,
                    recipe="configs/mode_testbed.yaml")
     text = demo.format_demo(summary)

@@ -16,6 +16,7 @@ import yaml
 from armor_trl.app.cli import main
 from armor_trl.app.experiments import stats, study
 from armor_trl.app.experiments.runner import read_curves, resolve_overrides
+from armor_trl.app.experiments.summary import format_summary, summarize
 from armor_trl.app.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,14 +55,14 @@ def test_reference_accuracy_is_the_validation_at_the_step_its_weights_come_from(
     assert ref["sources"] == [0, 100, 125] and ref["unmeasured"] == [125]
     # a rollback (collapse guard): π_ref holds the best checkpoint's weights from step 50 on
     assert stats.reference_accuracy(val, [(100, 50), (150, 50)])["curve"] == [(100, 0.52), (150, 0.52)]
-    summary = study.summarize({"armor": {0: {"val": val, "train": [], "kl_reverse": [], "kl_forward": [],
-                                             "anchors_found": [], "ref_weights_step": weights, "val_key": "val/avg@4",
-                                             "val_problems": 10, "val_samples": 4}}}, resamples=10)
+    summary = summarize({"armor": {0: {"val": val, "train": [], "kl_reverse": [], "kl_forward": [],
+                                       "anchors_found": [], "ref_weights_step": weights, "val_key": "val/avg@4",
+                                       "val_problems": 10, "val_samples": 4}}}, resamples=10)
     assert summary["table"]["armor"]["ref_val_end"]["mean"] == 0.47
     assert summary["table"]["armor"]["ref_unmeasured_steps"] == [125]
-    assert "not validated" in study.format_summary({**summary, "arms": ["armor"], "seeds": [0], "recipe": "r",
-                                                    "model": "m", "smoke": False, "runs_executed": 0, "workers": 1,
-                                                    "wall_time_s": 0.0})
+    assert "not validated" in format_summary({**summary, "arms": ["armor"], "seeds": [0], "recipe": "r",
+                                              "model": "m", "smoke": False, "runs_executed": 0, "workers": 1,
+                                              "wall_time_s": 0.0})
 
 
 def _exact_bootstrap(values, level=0.95):

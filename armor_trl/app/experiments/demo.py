@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from armor_trl.app.experiments import stats, study
+from armor_trl.app.experiments import plots, stats, study
 
 DEFAULT_CONFIG = study.CONFIGS / "mode_testbed.yaml"
 ARMS = ("grpo", "grpo_kl_0.1", "grpo_small_lr", "armor")
@@ -192,7 +192,7 @@ def _real_run(method: str, model: str, output_dir: Path, steps: int, seed: int) 
 
 def plot_real_demo(summary: dict, path: Path) -> None:
     """Training reward (on-policy samples) and validation avg@k per step, one line per method."""
-    plt = study.pyplot()
+    plt = plots.pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(10, 3.8))
