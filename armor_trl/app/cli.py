@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 
 from armor_trl.integration.checks import close_names, unknown_names
 from armor_trl.integration.launcher import check_use_cpu
-from armor_trl.app.recipe import (
-    DataArguments, TrainScriptArguments, build_trainer, held_out_source, load_datasets, named_validation_sets,
-    parse_train_args, read_json, read_jsonl, recipe_value, resolve_resume_from_checkpoint, train_datasets,
+from armor_trl.app.recipe.build import (
+    build_trainer, held_out_source, load_datasets, named_validation_sets, train_datasets,
 )
+from armor_trl.app.recipe.fields import DataArguments, TrainScriptArguments
+from armor_trl.app.recipe.loading import read_json, read_jsonl
+from armor_trl.app.recipe.parsing import parse_train_args, recipe_value, resolve_resume_from_checkpoint
 
 EVAL_RESULTS_FILE = "eval_results.json"  # what `armor-trl eval --output_dir DIR` writes there
 OUTPUT_FLAG = "--output_dir"  # every subcommand's output flag (TRL's name); --out / --output are deprecated aliases
@@ -473,7 +475,8 @@ def check_eval_config(path: str) -> None:
     file:line:column, and each value against its EvalArguments field."""
     import typing
 
-    from armor_trl.app.recipe import describe_type, kind_of, read_yaml, value_matches
+    from armor_trl.app.recipe.loading import read_yaml
+    from armor_trl.app.recipe.validation import describe_type, kind_of, value_matches
 
     values = read_yaml(path)
     if not isinstance(values, dict):
