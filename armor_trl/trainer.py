@@ -29,6 +29,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl.integration import checks
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import vllm_engine
 from armor_trl.rollout.anchor_rollout import AnchorRollout, reward_func_mask
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import AnchorRound
@@ -117,7 +118,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         ref_copy = None
         if args.armor_enabled and not uses_peft and ref_model is None and not isinstance(model, str):
             ref_copy = copy_model_for_reference(model)
-        with seam.colocated_engine_built(args):  # ArmorConfig's engine options; on a CPU, weights TRL can sync
+        with vllm_engine.colocated_engine_built(args):  # ArmorConfig's engine options; on a CPU, weights TRL can sync
             super().__init__(
                 model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                 eval_dataset=eval_dataset, processing_class=processing_class,

@@ -16,7 +16,7 @@ from armor_trl import ArmorConfig
 from armor_trl.app.cli import main
 from armor_trl.app.cli.eval import EVAL_RESULTS_FILE
 from armor_trl.app.cli.train import best_checkpoint, describe_resets, reset_schedule
-from armor_trl.app.recipe import parse_train_args, resolve_resume_from_checkpoint
+from armor_trl.app.recipe.parsing import parse_train_args, resolve_resume_from_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RECIPE = REPO / "configs" / "tiny_demo.yaml"
@@ -462,7 +462,7 @@ def test_a_trl_grpo_recipe_with_a_datasets_mixture_trains(recipe, cwd, capsys):
                           {"path": "json", "data_files": str(cwd / "more.jsonl"), "columns": ["prompt", "answer"]}]
     path = cwd / "mixture.yaml"
     path.write_text(yaml.safe_dump(config))
-    from armor_trl.app.recipe import train_datasets
+    from armor_trl.app.recipe.build import train_datasets
 
     script, _, _, notes = parse_train_args(["--config", str(path)])
     train, _ = train_datasets(script)

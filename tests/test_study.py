@@ -17,7 +17,7 @@ from armor_trl.app.cli import main
 from armor_trl.app.experiments import stats, study
 from armor_trl.app.experiments.runner import read_curves, resolve_overrides
 from armor_trl.app.experiments.summary import format_summary, summarize
-from armor_trl.app.recipe import load_recipe
+from armor_trl.app.recipe.loading import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

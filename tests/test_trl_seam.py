@@ -1,4 +1,5 @@
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from packaging.version import Version
 from packaging.specifiers import SpecifierSet
 
 import armor_trl
-from armor_trl.integration import trl_seam
+from armor_trl.integration import trl_seam, vllm_engine
 
 
 def test_installed_trl_is_a_supported_version():
@@ -30,6 +31,13 @@ def test_private_attributes_we_touch_exist_on_a_trainer(tiny_model_path, tiny_to
 
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
     assert trl_seam.missing_attributes(trainer) == []
+
+
+def test_surface_check_covers_the_vllm_wrapper_methods_the_engine_helpers_call(monkeypatch):
+    module_name, _, class_name = vllm_engine.VLLM_ENGINE.rpartition(".")
+    wrapper = getattr(importlib.import_module(module_name), class_name)
+    monkeypatch.delattr(wrapper, "sync_weights")
+    assert any(f"{class_name}.sync_weights is missing" in p for p in trl_seam.check_trl_surface())
 
 
 def test_surface_check_detects_a_loss_that_computes_the_log_probs_twice(monkeypatch):
@@ -93,9 +101,13 @@ def test_no_module_but_the_seam_touches_trls_private_surface(tiny_model_path, ti
     private = private_names_of_grpo_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
     assert {"_metrics", "_is_vlm", "_get_output_dir", "_determine_best_metric"} <= private  # the scan sees them
     package = Path(armor_trl.__file__).parent
+    # the seam's two halves: TRL's (and transformers') private names, and TRL's vLLM wrapper with vLLM's own names
+    seam = {Path(trl_seam.__file__).resolve(), Path(vllm_engine.__file__).resolve()}
+    assert {path.name for path in seam} == {"trl_seam.py", "vllm_engine.py"}
+    assert all(path.parent == package.resolve() / "integration" for path in seam)
     offences = []
     for path in sorted(package.rglob("*.py")):
-        if path.name == "trl_seam.py":
+        if path.resolve() in seam:
             continue
         tree = ast.parse(path.read_text())
         own = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)} - set(trl_seam.OVERRIDDEN)
@@ -120,8 +132,8 @@ def test_names_replaced_by_overlapping_blocks_are_restored_whatever_order_they_e
     module = types.ModuleType("armor_fake_vllm")
     module.setup = original = lambda: "vllm"
     monkeypatch.setitem(sys.modules, "armor_fake_vllm", module)
-    first = trl_seam._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+first")
-    second = trl_seam._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+second")
+    first = vllm_engine._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+first")
+    second = vllm_engine._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+second")
     first.__enter__()
     second.__enter__()
     assert module.setup() == "vllm+first+second"

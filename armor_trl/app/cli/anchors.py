@@ -9,7 +9,8 @@ import os
 import sys
 
 from armor_trl.app.cli.common import add_output_dir, require_recipe
-from armor_trl.app.recipe import parse_train_args, train_datasets
+from armor_trl.app.recipe.build import train_datasets
+from armor_trl.app.recipe.parsing import parse_train_args
 
 
 def anchors_main(argv: list[str]) -> int:

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from armor_trl.integration.checks import close_names
-from armor_trl.app.recipe import recipe_value
+from armor_trl.app.recipe.parsing import recipe_value
 
 OUTPUT_FLAG = "--output_dir"  # every subcommand's output flag (TRL's name); --out / --output are deprecated aliases
 

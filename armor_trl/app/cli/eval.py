@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from armor_trl.integration.checks import unknown_names
 from armor_trl.app.cli.common import flag_hints, warn_deprecated_output
-from armor_trl.app.recipe import DataArguments, load_datasets
+from armor_trl.app.recipe.build import load_datasets
+from armor_trl.app.recipe.fields import DataArguments
 
 EVAL_RESULTS_FILE = "eval_results.json"  # what `armor-trl eval --output_dir DIR` writes there
 
@@ -114,7 +115,8 @@ def check_eval_config(path: str) -> None:
     file:line:column, and each value against its EvalArguments field."""
     import typing
 
-    from armor_trl.app.recipe import describe_type, kind_of, read_yaml, value_matches
+    from armor_trl.app.recipe.loading import read_yaml
+    from armor_trl.app.recipe.validation import describe_type, kind_of, value_matches
 
     values = read_yaml(path)
     if not isinstance(values, dict):

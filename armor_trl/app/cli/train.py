@@ -17,10 +17,12 @@ import sys
 
 from armor_trl.integration.launcher import check_use_cpu
 from armor_trl.app.cli.common import require_recipe
-from armor_trl.app.recipe import (
-    TrainScriptArguments, build_trainer, held_out_source, load_datasets, named_validation_sets, parse_train_args,
-    read_json, read_jsonl, resolve_resume_from_checkpoint, train_datasets,
+from armor_trl.app.recipe.build import (
+    build_trainer, held_out_source, load_datasets, named_validation_sets, train_datasets,
 )
+from armor_trl.app.recipe.fields import TrainScriptArguments
+from armor_trl.app.recipe.loading import read_json, read_jsonl
+from armor_trl.app.recipe.parsing import parse_train_args, resolve_resume_from_checkpoint
 
 
 def _dry_run_datasets(script_args: TrainScriptArguments):

@@ -16,7 +16,9 @@ import time
 import warnings
 from pathlib import Path
 
-from armor_trl.app.recipe import build_trainer, load_recipe, parse_train_args, read_json, read_jsonl
+from armor_trl.app.recipe.build import build_trainer
+from armor_trl.app.recipe.loading import load_recipe, read_json, read_jsonl
+from armor_trl.app.recipe.parsing import parse_train_args
 
 VAL_KEY_PREFIX = "val/avg@"
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY")

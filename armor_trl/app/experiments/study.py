@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from armor_trl.app.recipe import read_json, read_yaml
+from armor_trl.app.recipe.loading import read_json, read_yaml
 from armor_trl.app.experiments import stats
 from armor_trl.app.experiments.plots import plot_study
 from armor_trl.app.experiments.runner import (go_offline, override_flags, quiet_single_thread, read_curves, read_recipe, resolve_overrides,
@@ -170,7 +170,7 @@ def load_primary(value, names: list[str]) -> list[list[str]]:
 def check_arms(arms: dict, recipe: dict, recipe_file: str, model_path: str) -> dict:
     """Each arm's resolved training overrides, parsed as `armor-trl train` would (no weights loaded); a
     ValueError naming the arm whose overrides are invalid."""
-    from armor_trl.app.recipe import parse_train_args
+    from armor_trl.app.recipe.parsing import parse_train_args
 
     resolved = {}
     for name, overrides in arms.items():
