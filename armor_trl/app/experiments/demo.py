@@ -162,7 +162,7 @@ def _real_run(method: str, model: str, output_dir: Path, steps: int, seed: int) 
     from armor_trl import ArmorConfig, ArmorGRPOTrainer
 
     from armor_trl.app import real_model
-    from armor_trl.callbacks.evaluation import ValidationCallback
+    from armor_trl.callbacks.validation import ValidationCallback
     from armor_trl.rewards import math_verify_reward
 
     settings = dict(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=8, num_generations=4,

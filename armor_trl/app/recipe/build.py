@@ -147,7 +147,7 @@ def validation_sets(script_args: TrainScriptArguments, held_out):
 
 
 def validation_callback(script_args, training_args, eval_dataset, verifier, run_name=None, on_evaluate=None):
-    from armor_trl.callbacks.evaluation import ValidationCallback
+    from armor_trl.callbacks.validation import ValidationCallback
     from armor_trl.rewards.modes import resolve_classifier
 
     return ValidationCallback(
