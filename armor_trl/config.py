@@ -252,6 +252,16 @@ class ArmorConfig(GRPOConfig):
             "Training is unchanged. Default: off."
         },
     )
+    anchor_mode_prompt_classifier: str | None = field(
+        default=None,
+        metadata={
+            "help": "With anchor_mode_classifier: a prompt classifier (prompt text → prompt type; a name of "
+            "armor_trl.rewards.modes.PROMPT_CLASSIFIERS such as 'arithmetic_needs_carry', or 'pkg.module:function') "
+            "that splits the anchor mode diagnostic by prompt type: armor/anchor_mode/<type>/<mode> and "
+            "armor/policy_mode/<type>/<mode> beside the overall shares (e.g. whether anchors carry where the prompt "
+            "needs a carry). Training is unchanged. Default: off."
+        },
+    )
     off_policy_ratio: bool = field(
         default=False,
         metadata={
@@ -719,6 +729,13 @@ class ArmorConfig(GRPOConfig):
             from armor_trl.rewards.modes import resolve_classifier
 
             resolve_classifier(self.anchor_mode_classifier, "anchor_mode_classifier")  # fails here, naming the field
+        if self.anchor_mode_prompt_classifier is not None:
+            from armor_trl.rewards.modes import resolve_prompt_classifier
+
+            if self.anchor_mode_classifier is None:
+                raise ValueError("anchor_mode_prompt_classifier splits the anchor mode diagnostic by prompt type: it "
+                                 "needs anchor_mode_classifier (e.g. 'arithmetic_carries') too.")
+            resolve_prompt_classifier(self.anchor_mode_prompt_classifier)
         self._check_collapse_guard()
         self._check_loop_fields()
         self._check_anchor_source()

@@ -40,7 +40,7 @@ from armor_trl.rollout.dynamic_sampling import DynamicSampling, advantages_acros
 from armor_trl.integration.launcher import check_use_cpu
 from armor_trl.algorithm.loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
 from armor_trl.algorithm.mixture import kl_reference_logps, mixed_logprobs
-from armor_trl.rewards.modes import resolve_classifier
+from armor_trl.rewards.modes import resolve_classifier, resolve_prompt_classifier
 from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
 from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
 from armor_trl.rewards.checks import checked
@@ -343,7 +343,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if self.anchor_rollout is not None and self.anchor_rollout.slots_per_group:
             self.armor_metrics.rows_by_type(output, is_anchor)
             if self.args.anchor_mode_classifier is not None:
-                self.armor_metrics.anchor_modes(output, is_anchor, resolve_classifier(self.args.anchor_mode_classifier))
+                prompt_types = self.args.anchor_mode_prompt_classifier
+                self.armor_metrics.anchor_modes(output, is_anchor, resolve_classifier(self.args.anchor_mode_classifier),
+                                                None if prompt_types is None else resolve_prompt_classifier(prompt_types))
 
     # --- mixed optimization ----------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
