@@ -90,7 +90,7 @@ def test_parse_both_methods_from_one_recipe(recipe):
         (["--method", "grpo", "--armor_alpha", "0.9"], "ArmorConfig-only"),
         (["--method=grpo", "--ref-reset-steps", "4"], "ArmorConfig-only"),
         (["--armor_alpha", "1.5"], "armor_alpha must lie in"),
-        (["--beta", "0.1"], "beta must be 0.0 with ARMOR"),
+        (["--beta", "-0.1"], "beta must be >= 0.0"),
         (["--per_device_train_batch_size", "6"], "must be divisible by num_generations"),
         (["--no_such_flag", "1"], "Unknown arguments"),
         (["--method", "ppo"], "method must be one of"),

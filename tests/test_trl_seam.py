@@ -1,5 +1,6 @@
 import ast
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -11,6 +12,9 @@ from packaging.specifiers import SpecifierSet
 
 import armor_trl
 from armor_trl.integration import trl_seam, vllm_engine
+
+
+_getsource = inspect.getsource
 
 
 def test_installed_trl_is_a_supported_version():
@@ -53,6 +57,7 @@ def test_surface_check_detects_a_loss_that_computes_the_log_probs_twice(monkeypa
 def test_surface_check_detects_a_loss_type_or_level_armor_has_not_derived(monkeypatch):
     def _compute_loss(self, model, inputs):
         logps = self._get_per_token_logps_and_entropies(model, inputs)
+        reference = inputs["ref_per_token_logps"]  # noqa: F841 - what the surface check looks for
         if self.importance_sampling_level == "token" or self.importance_sampling_level == "segment":
             pass
         if self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"] or self.loss_type == "new":
@@ -67,6 +72,21 @@ def test_surface_check_detects_a_loss_type_or_level_armor_has_not_derived(monkey
     monkeypatch.setattr(trl_seam, "LOSS_TYPES", (*trl_seam.LOSS_TYPES, "new"))
     monkeypatch.setattr(trl_seam, "IMPORTANCE_SAMPLING_LEVELS", ("token", "sequence", "segment"))
     assert trl_seam.check_trl_surface() == []
+
+
+@pytest.mark.parametrize("body", [
+    "logps = self._get_per_token_logps_and_entropies(model, inputs)\n",  # no KL read
+    "reference = inputs['ref_per_token_logps']\nlogps = self._get_per_token_logps_and_entropies(model, inputs)\n",
+])
+def test_surface_check_detects_a_kl_term_armor_cannot_hand_its_reference(monkeypatch, body):
+    """ARMOR + KL sets TRL's KL reference input while TRL computes the policy's log-probs: TRL must read it after."""
+    source = "def _compute_loss(self, model, inputs):\n" + "".join(f"    {line}\n" for line in body.splitlines())
+    scope = {}
+    exec(compile(source, "<fake>", "exec"), scope)
+    monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", scope["_compute_loss"])
+    monkeypatch.setattr(trl_seam.inspect, "getsource", lambda f: source if f is scope["_compute_loss"] else
+                        _getsource(f))
+    assert any("ref_per_token_logps" in p for p in trl_seam.check_trl_surface())
 
 
 def test_the_mixed_log_probs_reach_the_loss_exactly_once_or_the_run_stops():

@@ -83,6 +83,10 @@ ROLLOUT_FUNC_CALL = "self.rollout_func(prompts, self)"
 LOGPS_IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                       "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
+# GRPOTrainer's KL term (β ≠ 0): built in _compute_loss from the input of this name and the policy log-probs of the loss's
+# call above, after that call; GRPOTrainer.__init__ builds a reference model of its own when args.beta ≠ 0
+KL_REFERENCE_INPUT = "ref_per_token_logps"
+
 SUPPORTED_TRL = ">=1.16.0,<1.17"
 
 
@@ -114,6 +118,10 @@ def check_trl_surface() -> list[str]:
     if calls != LOSS_LOGPS_CALLS:
         problems.append(f"GRPOTrainer._compute_loss calls _get_per_token_logps_and_entropies {calls} times, expected "
                         f"{LOSS_LOGPS_CALLS}: the mixed log-probs would not reach TRL's ratio as they should")
+    kl_read = loss_source.find(f'inputs["{KL_REFERENCE_INPUT}"]')
+    if kl_read < 0 or kl_read < loss_source.find("self._get_per_token_logps_and_entropies("):
+        problems.append(f"GRPOTrainer._compute_loss does not read inputs[{KL_REFERENCE_INPUT!r}] after the policy's "
+                        "log-probs: ARMOR + KL (beta != 0) would not hand TRL's KL term its reference")
     if ROLLOUT_FUNC_CALL not in inspect.getsource(GRPOTrainer._generate):
         problems.append(f"GRPOTrainer._generate no longer calls {ROLLOUT_FUNC_CALL}: ARMOR's rollout_func wrapper "
                         "would not be reached")
@@ -311,6 +319,28 @@ def prepare_like_reference_model(trainer: GRPOTrainer, model, cast_lm_head_to_fp
 def adapter_active(model, adapter_name: str):
     """Context in which a PEFT model runs with ``adapter_name`` active (TRL's helper)."""
     return use_adapter(model, adapter_name=adapter_name)
+
+
+@contextlib.contextmanager
+def no_kl_reference_built(args):
+    """Within the block (GRPOTrainer's construction with ARMOR on), TRL sees β = 0: it builds no reference model of its
+    own and computes no reference log-probs per batch; ARMOR's π_ref serves the KL term (:func:`kl_term`)."""
+    beta, args.beta = args.beta, 0.0
+    try:
+        yield
+    finally:
+        args.beta = beta
+
+
+@contextlib.contextmanager
+def kl_term(trainer: GRPOTrainer, beta: float):
+    """Within the block (one call of ``GRPOTrainer._compute_loss``), TRL's loss adds its KL term with coefficient
+    ``beta``, reading the reference's log-probs from the input ``KL_REFERENCE_INPUT``; outside it TRL's β stays 0."""
+    trainer.beta = beta
+    try:
+        yield
+    finally:
+        trainer.beta = 0.0
 
 
 # --- generation and scoring ------------------------------------------------------------------------------------------
