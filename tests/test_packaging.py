@@ -193,10 +193,10 @@ def test_every_subpackage_and_config_folder_is_packaged():
 
 
 def test_recipes_are_found_in_the_clone():
-    from armor_trl.app.experiments import demo, study
+    from armor_trl.app.experiments import demo, plan
 
-    assert study.CONFIGS == REPO / "configs"
-    assert study.DEFAULT_ARMS_FILE.is_file() and demo.DEFAULT_CONFIG.is_file()
+    assert plan.CONFIGS == REPO / "configs"
+    assert plan.DEFAULT_ARMS_FILE.is_file() and demo.DEFAULT_CONFIG.is_file()
 
 
 # --- the built wheel, installed into a fresh venv -----------------------------------------------------------------

@@ -307,12 +307,12 @@ def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, tin
     base.write_text("seed: [3\n")
     path.write_text("base: base.yaml\n" + TINY)
     assert f"{base}:2:1: invalid YAML" in train_error(path, tiny_model_path, capsys)
-    from armor_trl.app.experiments import study
+    from armor_trl.app.experiments import plan
 
     arms = tmp_path / "arms.yaml"  # and in an arms file
     arms.write_text("arms:\n  grpo: {beta: 0.1\n")
     with pytest.raises(ValueError, match=f"{arms}:3:1: invalid YAML"):
-        study.load_arms({}, arms)
+        plan.load_arms({}, arms)
 
 
 def test_a_repeated_key_is_refused_naming_both_lines(tmp_path, tiny_model_path, capsys):

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from armor_trl.app.experiments import plots, stats, study
+from armor_trl.app.experiments import plan, plots, stats, study
 
-DEFAULT_CONFIG = study.CONFIGS / "mode_testbed.yaml"
+DEFAULT_CONFIG = plan.CONFIGS / "mode_testbed.yaml"
 ARMS = ("grpo", "grpo_kl_0.1", "grpo_small_lr", "armor")
 SEEDS = 3
 WARMUP_SEED = 0  # one warm checkpoint (the study's first): the spread across warm checkpoints is docs/evidence.md's

@@ -56,14 +56,18 @@ def resolve_overrides(overrides: dict, recipe: dict) -> dict:
     scale = overrides.pop(LR_SCALE_KEY, None)
     if scale is None:
         return overrides
-    merged = {**recipe, **overrides}
     if scale == "alpha":
-        g = merged["num_generations"]
-        scale = merged.get("armor_alpha") or (g - merged.get("anchors_per_group", 1)) / g
+        scale = alpha_of({**recipe, **overrides})
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
         raise ValueError(f"{LR_SCALE_KEY} must be a positive number or 'alpha', got {scale!r}.")
-    overrides["learning_rate"] = merged["learning_rate"] * scale
+    overrides["learning_rate"] = {**recipe, **overrides}["learning_rate"] * scale
     return overrides
+
+
+def alpha_of(settings: dict) -> float:
+    """ARMOR's α under ``settings`` (a recipe with an arm's overrides): ``armor_alpha``, else (G − anchors)/G."""
+    g = settings["num_generations"]
+    return settings.get("armor_alpha") or (g - settings.get("anchors_per_group", 1)) / g
 
 
 def override_flags(overrides: dict) -> list[str]:
