@@ -312,25 +312,25 @@ def test_smoke_study_over_warm_checkpoints_names_files_resumes_and_reports_per_w
 
 
 def test_study_folder_takes_more_warm_checkpoints_but_not_other_ones(tmp_path):
-    plan = {"recipe": {"x": 1}, "smoke_overrides": {}, "arms": {"grpo": {}}}
-    plan.check_study_folder(tmp_path, {**plan, "model": {"warm0": "a", "warm1": "b"}})
-    plan.check_study_folder(tmp_path, {**plan, "model": {"warm0": "a", "warm2": "c"}})
+    folder = {"recipe": {"x": 1}, "smoke_overrides": {}, "arms": {"grpo": {}}}
+    plan.check_study_folder(tmp_path, {**folder, "model": {"warm0": "a", "warm1": "b"}})
+    plan.check_study_folder(tmp_path, {**folder, "model": {"warm0": "a", "warm2": "c"}})
     assert json.loads((tmp_path / "study.json").read_text())["model"] == {"warm0": "a", "warm1": "b", "warm2": "c"}
     with pytest.raises(ValueError, match="different model"):
-        plan.check_study_folder(tmp_path, {**plan, "model": {"warm1": "other"}})
+        plan.check_study_folder(tmp_path, {**folder, "model": {"warm1": "other"}})
     with pytest.raises(ValueError, match="different model"):  # one warm checkpoint: other file names, other folder
-        plan.check_study_folder(tmp_path, {**plan, "model": "a"})
+        plan.check_study_folder(tmp_path, {**folder, "model": "a"})
 
 
 def test_study_folder_keeps_its_runs_when_only_the_study_section_changes(tmp_path):
     """The study: section (which runs, which comparisons, a criterion) does not change how a run trains; any other
     recipe key does."""
-    plan = {"recipe": {"x": 1, "study": {"seeds": 3}}, "smoke_overrides": {}, "arms": {"grpo": {}}, "model": "m"}
-    plan.check_study_folder(tmp_path, plan)
-    plan.check_study_folder(tmp_path, {**plan, "recipe": {"x": 1, "study": {"seeds": 3, "criterion": {}}}})
-    plan.check_study_folder(tmp_path, {**plan, "recipe": {"x": 1}})
+    folder = {"recipe": {"x": 1, "study": {"seeds": 3}}, "smoke_overrides": {}, "arms": {"grpo": {}}, "model": "m"}
+    plan.check_study_folder(tmp_path, folder)
+    plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 1, "study": {"seeds": 3, "criterion": {}}}})
+    plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 1}})
     with pytest.raises(ValueError, match="different recipe"):
-        plan.check_study_folder(tmp_path, {**plan, "recipe": {"x": 2, "study": {"seeds": 3}}})
+        plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 2, "study": {"seeds": 3}}})
 
 
 def _write_run(path, values):
