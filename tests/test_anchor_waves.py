@@ -292,6 +292,12 @@ def test_scores_are_not_reused_for_other_rows(tiny_model_path, tiny_tokenizer, t
     assert early.reuse(trainer, ["ab"], [[5, 6]]) is early.rewards
     assert early.reuse(trainer, ["ab"], [[5, 7]]) is None  # other ids: TRL scores them
     assert early.reuse(trainer, ["a b"], [[5, 6]]) is None  # decoded otherwise: TRL scores them
+    # the same completion with other fields (a rollout_func's extra field, a row carried over): TRL scores it
+    fields = anchor_waves.OnPolicyScores([[5, 6]], ["ab"], torch.tensor([[1.0]]), [{"prompt": "p", "env_score": 1.0}])
+    assert fields.reuse(trainer, ["ab"], [[5, 6]], [{"prompt": "p", "env_score": 1.0}]) is fields.rewards
+    assert fields.reuse(trainer, ["ab"], [[5, 6]], [{"prompt": "p", "env_score": 0.0}]) is None
+    assert fields.reuse(trainer, ["ab"], [[5, 6]], [{"prompt": "p"}]) is None
+    assert fields.reuse(trainer, ["ab"], [[5, 6]], [{"prompt": "q", "env_score": 1.0}]) is None
     trainer.anchor_rollout.on_policy_scores = early
     calls = []
     score = trainer.anchor_rollout.reusing_scores(lambda *rows: calls.append(rows) or torch.zeros(1, 1))

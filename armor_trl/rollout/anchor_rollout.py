@@ -81,7 +81,8 @@ class AnchorRollout:
         self.on_policy_scores, eligible = None, None
         column = self.column is not None and self.column.active(self.trainer.reference.resets)
         if filters_groups(self.args) and not column:
-            self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots)
+            self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots,
+                                                    self.reward_fields)
             eligible = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots)
         fillers = [on_policy_ids[g * (group_size - slots)] for g in range(len(firsts))]
         anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs, candidates, eligible=eligible, fillers=fillers)
@@ -91,6 +92,11 @@ class AnchorRollout:
         if on_policy_logprobs is not None:  # vLLM: anchors are never importance-corrected (their ratio is set to 1)
             logprobs = fill_groups(on_policy_logprobs, neutral_sampling_logprobs(anchor_ids), group_size, slots)
         return fill_groups(on_policy_ids, anchor_ids, group_size, slots), logprobs, anchors
+
+    def reward_fields(self, completion_ids: list) -> dict:
+        """The fields TRL adds to this completion's input row before its reward functions run (none on TRL's own
+        generation paths; a rollout_func's extra fields: :class:`~armor_trl.rollout.rollout_func.RolloutFuncAnchors`)."""
+        return {}
 
     def same_call_applies(self) -> bool:
         """Whether this round's K candidates per group can be extra rows of the policy's generate call: π_ref holds
@@ -289,7 +295,7 @@ class AnchorRollout:
             return score
 
         def scored_once(inputs, prompts, completions, completion_ids):
-            reused = early.reuse(self.trainer, completions, completion_ids)
+            reused = early.reuse(self.trainer, completions, completion_ids, inputs)
             return reused if reused is not None else score(inputs, prompts, completions, completion_ids)
 
         return scored_once
