@@ -192,7 +192,10 @@ class AnchorRollout:
             fresh = drawn.to(rewards.device)  # this round's drawn candidates of the groups used
             verified_frac = verified[: len(used) * k][fresh].float()
             totals = (torch.nan_to_num(rewards) * weights).sum(dim=1)
-            best_candidate = (totals if args.anchor_sampling == "eager" else totals[: len(used) * k][fresh]).max().item()
+            # over this process's drawn candidates only: padding draws for another process's calls are discarded,
+            # and a process may have drawn none of its own (all its groups ineligible or cache hits)
+            own = totals[: len(used) * k][fresh]
+            best_candidate = own.max().item() if own.numel() else math.nan
             # (lazy waves leave undrawn candidates as None: only this round's drawn ones are decoded)
             drawn_ids = [ids for ids, taken in zip(candidate_ids[: len(used) * k], drawn.tolist()) if taken]
             empty = torch.tensor([not text.strip() for text in seam.decode(trainer, drawn_ids, False)], dtype=torch.bool)
