@@ -142,7 +142,10 @@ class AnchorRollout:
         cached, known_failures = [None] * groups, [None] * groups
         if self.cache is not None:
             self.cache.sync(trainer.reference.resets)
-            cached = [self.cache.get(ids) if look else None for ids, look in zip(group_prompt_ids, looks)]
+            # in group order, as the paper's path visits them: a group that does not look still moves the cache's
+            # rotation and counts its visit (AnchorCache.visit_unlooked), so its later anchors are the paper's path's
+            cached = [self.cache.get(ids) if look else self.cache.visit_unlooked(ids)
+                      for ids, look in zip(group_prompt_ids, looks)]
             if args.anchor_cache_failures:
                 known_failures = [
                     None if hit is not None or not look else self.cache.known_failure(ids, args.anchor_failure_retry_every)
@@ -264,8 +267,11 @@ class AnchorRollout:
         fresh = [i for i in span if verified[i]][: self.args.anchor_cache_per_prompt]
         for i in fresh:
             self.cache.put(prompt_ids, candidate_ids[i], rewards[i].tolist())
-        kept = None if fresh else self.cache.get(prompt_ids, partial=True)
-        if kept is not None:  # no verified candidate now, but the prompt has a kept anchor
+        # filled now, after visits at which the group did not look: the anchor the paper's path's rotation is at
+        # (first_fill forgets those visits either way)
+        filled = self.cache.first_fill(prompt_ids)
+        kept = filled if fresh else self.cache.get(prompt_ids, partial=True)
+        if kept is not None:  # (or: no verified candidate now, but the prompt has a kept anchor)
             anchors[g][0], scores[g, 0], found[g, 0] = kept[0], torch.tensor(kept[1]), True
         elif not fresh and self.args.anchor_cache_failures:
             self.cache.put_failure(prompt_ids, anchors[g][0])
