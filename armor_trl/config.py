@@ -252,6 +252,16 @@ class ArmorConfig(GRPOConfig):
             "Training is unchanged. Default: off."
         },
     )
+    anchor_mode_prompt_classifier: str | None = field(
+        default=None,
+        metadata={
+            "help": "With anchor_mode_classifier: a prompt classifier (prompt text → prompt type; a name of "
+            "armor_trl.rewards.modes.PROMPT_CLASSIFIERS such as 'arithmetic_needs_carry', or 'pkg.module:function') "
+            "that splits the anchor mode diagnostic by prompt type: armor/anchor_mode/<type>/<mode> and "
+            "armor/policy_mode/<type>/<mode> beside the overall shares (e.g. whether anchors carry where the prompt "
+            "needs a carry). Training is unchanged. Default: off."
+        },
+    )
     off_policy_ratio: bool = field(
         default=False,
         metadata={
@@ -456,7 +466,11 @@ class ArmorConfig(GRPOConfig):
     )
     beta: float = field(
         default=0.0,
-        metadata={"help": "KL coefficient. ARMOR replaces the KL penalty, so it must stay 0.0."},
+        metadata={"help": "Coefficient β of the reverse-KL penalty. 0.0 (the paper's ARMOR: the anchor and the mixed "
+                  "ratio replace the penalty). β > 0 with ARMOR on adds GRPO's KL term on top (ARMOR + KL): β · k3 of "
+                  "π_θ against ARMOR's π_ref, on the on-policy rows (a reset of π_ref moves the KL's target too), "
+                  "with TRL's normaliser for every loss_type; no second reference model is built. With use_bias_correction_kl "
+                  "(TRL's default) TRL weights the term by the loss's ratio, r_mix under the mixed ratio (docs/algorithm.md)."},
     )
     loss_type: str = field(
         default="dapo",
@@ -715,6 +729,13 @@ class ArmorConfig(GRPOConfig):
             from armor_trl.rewards.modes import resolve_classifier
 
             resolve_classifier(self.anchor_mode_classifier, "anchor_mode_classifier")  # fails here, naming the field
+        if self.anchor_mode_prompt_classifier is not None:
+            from armor_trl.rewards.modes import resolve_prompt_classifier
+
+            if self.anchor_mode_classifier is None:
+                raise ValueError("anchor_mode_prompt_classifier splits the anchor mode diagnostic by prompt type: it "
+                                 "needs anchor_mode_classifier (e.g. 'arithmetic_carries') too.")
+            resolve_prompt_classifier(self.anchor_mode_prompt_classifier)
         self._check_collapse_guard()
         self._check_loop_fields()
         self._check_anchor_source()
@@ -722,12 +743,7 @@ class ArmorConfig(GRPOConfig):
         self._check_colocated_engine()
         if not self.armor_enabled:
             return  # both switches off: plain GRPOTrainer, whatever GRPOConfig allows
-        if self.beta != 0.0:
-            raise ValueError(
-                f"beta must be 0.0 with ARMOR (the anchor and the mixed ratio replace the KL penalty), got {self.beta}. "
-                "To run the reverse-KL baseline use trl.GRPOTrainer, or set use_anchors=False and "
-                "use_mixed_ratio=False."
-            )
+        self._check_kl_term()
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {list(SUPPORTED_LOSS_TYPES)} with ARMOR, got {self.loss_type!r}.")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -741,6 +757,21 @@ class ArmorConfig(GRPOConfig):
                 f"a multiple of num_generations ({self.num_generations}) with ARMOR, so that every group, and its "
                 "anchor, lives on one process."
             )
+
+    def _check_kl_term(self) -> None:
+        """ARMOR + KL (β ≠ 0): the KL term is TRL's, against ARMOR's π_ref; what cannot go with it is refused."""
+        if self.beta < 0.0:
+            raise ValueError(f"beta must be >= 0.0 (the KL coefficient), got {self.beta}.")
+        if self.beta == 0.0:
+            return
+        if self.sync_ref_model:
+            raise ValueError(f"sync_ref_model=True is not supported with ARMOR and beta={self.beta} (ARMOR + KL): TRL's "
+                             "reference sync has no reference model to sync, ARMOR's π_ref is the KL's target: reset it "
+                             "with ref_reset_steps / ref_reset_at_steps instead. Set sync_ref_model=False, or beta=0.0.")
+        if self.collapse_guard == "armor":
+            raise ValueError(f"beta must be 0.0 with collapse_guard='armor', got {self.beta}: while ARMOR is dormant "
+                             "there is no π_ref to hold the KL's target. Use collapse_guard='rollback' with beta, or "
+                             "beta=0.0.")
 
 
 def _refusing_unknown_fields(init):

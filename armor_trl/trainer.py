@@ -29,6 +29,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl.integration import checks
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import vllm_engine
 from armor_trl.rollout.anchor_rollout import AnchorRollout, reward_func_mask
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import AnchorRound
@@ -39,8 +40,8 @@ from armor_trl.config import ArmorConfig
 from armor_trl.rollout.dynamic_sampling import DynamicSampling, advantages_across_processes
 from armor_trl.integration.launcher import check_use_cpu
 from armor_trl.algorithm.loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
-from armor_trl.algorithm.mixture import mixed_logprobs
-from armor_trl.rewards.modes import resolve_classifier
+from armor_trl.algorithm.mixture import kl_reference_logps, mixed_logprobs
+from armor_trl.rewards.modes import resolve_classifier, resolve_prompt_classifier
 from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
 from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
 from armor_trl.rewards.checks import checked
@@ -117,7 +118,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
         ref_copy = None
         if args.armor_enabled and not uses_peft and ref_model is None and not isinstance(model, str):
             ref_copy = copy_model_for_reference(model)
-        with seam.colocated_engine_built(args):  # ArmorConfig's engine options; on a CPU, weights TRL can sync
+        # ArmorConfig's engine options (on a CPU, weights TRL can sync); with ARMOR + KL no reference model of TRL's
+        kl_reference = seam.no_kl_reference_built(args) if args.armor_enabled else contextlib.nullcontext()
+        with vllm_engine.colocated_engine_built(args), kl_reference:
             super().__init__(
                 model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                 eval_dataset=eval_dataset, processing_class=processing_class,
@@ -296,10 +299,11 @@ class ArmorGRPOTrainer(GRPOTrainer):
         """π_ref's log-probs of every row, the anchor flag, and the masks of ``anchor_filter``."""
         args = self.args
         same_call = anchors is not None and self.anchor_rollout.same_call_round
-        if (args.use_mixed_ratio or args.off_policy_ratio) and same_call and "old_per_token_logps" in output:
+        needs_ref_logps = args.use_mixed_ratio or args.off_policy_ratio or args.beta != 0.0
+        if needs_ref_logps and same_call and "old_per_token_logps" in output:
             # π_ref holds the weights that generated this round: its log-probs are the old policy's, already computed
             output["armor_ref_logps"] = output["old_per_token_logps"]
-        elif args.use_mixed_ratio or args.off_policy_ratio:
+        elif needs_ref_logps:
             model = self.reference.model if self.reference.kind == "full" else self.model
             with self.reference.active(self.unwrapped_policy()):
                 output["armor_ref_logps"] = self._completion_logps(model, output)
@@ -340,7 +344,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if self.anchor_rollout is not None and self.anchor_rollout.slots_per_group:
             self.armor_metrics.rows_by_type(output, is_anchor)
             if self.args.anchor_mode_classifier is not None:
-                self.armor_metrics.anchor_modes(output, is_anchor, resolve_classifier(self.args.anchor_mode_classifier))
+                prompt_types = self.args.anchor_mode_prompt_classifier
+                self.armor_metrics.anchor_modes(output, is_anchor, resolve_classifier(self.args.anchor_mode_classifier),
+                                                None if prompt_types is None else resolve_prompt_classifier(prompt_types))
 
     # --- mixed optimization ----------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
@@ -359,7 +365,17 @@ class ArmorGRPOTrainer(GRPOTrainer):
             replace = lambda logps: mixed_logprobs(logps, ref_logps, alpha)  # noqa: E731
         held, coef = micro_batch_share(self, inputs), seam.entropy_bonus_coef(self)  # (coef: before TRL updates it)
         loss_inputs = over_kept_rows(self.loss_type, loss_inputs, held)  # rows out of the loss leave its normaliser
-        with seam.loss_logps_replaced(self, replace) as policy:  # also keeps the loss's log-probs for the metrics
+        beta = self.args.beta if "armor_ref_logps" in inputs else 0.0
+        if beta:  # ARMOR + KL: TRL's KL term, of π_θ against π_ref on the on-policy rows (mixture.kl_reference_logps)
+            loss_inputs, mixed = dict(loss_inputs), replace
+            on_policy = ~inputs["armor_is_anchor"]
+
+            def replace(logps):
+                loss_logps = mixed(logps)
+                loss_inputs[seam.KL_REFERENCE_INPUT] = kl_reference_logps(inputs["armor_ref_logps"], logps,
+                                                                          loss_logps, on_policy)
+                return loss_logps
+        with seam.kl_term(self, beta), seam.loss_logps_replaced(self, replace) as policy:  # (logps kept: metrics)
             loss = super()._compute_loss(model, loss_inputs)
         loss = loss + entropy_bonus_correction(self, loss_inputs, policy["entropies"], held, coef)
         self.armor_metrics.loss_ratios(inputs, policy["logps"].detach(), policy["entropies"], ref_logps, alpha,

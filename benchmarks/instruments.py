@@ -2,7 +2,8 @@
 
 The time split of one optimizer step comes from wrapping TRL's hook methods on the trainer instance (the ones
 ``armor_trl.integration.trl_seam`` lists, plus ``_prepare_inputs`` and ``training_step``) and the ``trl_seam`` helpers through
-which ARMOR samples and scores reference candidates and computes reference log-probs. Nothing of
+which ARMOR samples and scores reference candidates and computes reference log-probs (and ``vllm_engine``'s, through
+which it pushes π_ref's weights). Nothing of
 ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRPOTrainer and ArmorGRPOTrainer:
 
 * ``policy_gen``   TRL's ``GRPOTrainer._generate_single_turn`` for the training rows (for ARMOR: the on-policy rows
@@ -18,7 +19,7 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
 * ``gen_other``    rest of ``_generate_and_score_completions`` (tokenize, decode, advantages, metrics)
 * ``loss_bwd``     ``training_step`` minus ``_prepare_inputs``: forward with grad, loss, backward
 * ``push_ref``     with vLLM: pushing π_ref's weights into the engine for the anchor candidates
-                   (``trl_seam.push_to_engine``, inside ARMOR's ``_generate_single_turn``)
+                   (``vllm_engine.push_to_engine``, inside ARMOR's ``_generate_single_turn``)
 * ``push_policy``  with vLLM: TRL's pushes of the policy's weights (its ``sync_weights`` at a rollout after an
                    optimizer step, and after an anchor call), taken out of ``policy_gen``
 * ``other``        rest of the optimizer step: optimizer, scheduler, callbacks (reference resets), logging
@@ -128,12 +129,12 @@ def _instrument_seam(timers: Timers) -> None:
     """ARMOR: the seam helpers, and TRL's generation method where ARMOR calls it for the on-policy rows."""
     from trl import GRPOTrainer
 
-    from armor_trl.integration import trl_seam
+    from armor_trl.integration import trl_seam, vllm_engine
 
     trl_seam.generate = timers.wrap(trl_seam.generate, "anchor_generate", flag="anchor_gen")
     trl_seam.score_quietly = timers.wrap(trl_seam.score_quietly, "anchor_score")
     trl_seam.per_token_logps = timers.wrap(trl_seam.per_token_logps, "ref_fwd_armor")
-    trl_seam.push_to_engine = timers.wrap(trl_seam.push_to_engine, "ref_push")
+    vllm_engine.push_to_engine = timers.wrap(vllm_engine.push_to_engine, "ref_push")
     # the class attribute, which ARMOR's override reaches through super(); inside trl_seam.generate it is anchors
     GRPOTrainer._generate_single_turn = timers.wrap(
         GRPOTrainer._generate_single_turn, None,

@@ -177,7 +177,7 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
     from trl import GRPOConfig, GRPOTrainer
 
     from armor_trl import ArmorConfig, ArmorGRPOTrainer
-    from armor_trl.integration import trl_seam as seam
+    from armor_trl.integration import vllm_engine
 
     torch.manual_seed(task["seed"])
     common = dict(
@@ -210,7 +210,7 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
     reward = reward_for(variant, task["threshold"])
     start = time.perf_counter()
     # TRL's colocated engine as ArmorGRPOTrainer builds it (on a CPU: linear weights TRL's sync can reach), for both
-    with seam.colocated_engine_built(args) if cls is GRPOTrainer else contextlib.nullcontext():
+    with vllm_engine.colocated_engine_built(args) if cls is GRPOTrainer else contextlib.nullcontext():
         trainer = cls(
             model=task["model_path"], reward_funcs=reward, args=args, train_dataset=dataset,
             processing_class=tokenizer, peft_config=peft_config,

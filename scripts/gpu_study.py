@@ -168,6 +168,7 @@ def _rows(flag: str, path: str, recipe: dict, limit: int | None) -> dict:
 
 def make_plan(args) -> dict:
     from armor_trl.app.experiments import study
+    from armor_trl.app.experiments.plan import load_arms, metrics_path, select_arms
     from armor_trl.app.experiments.runner import read_recipe
 
     try:
@@ -178,8 +179,8 @@ def make_plan(args) -> dict:
              "eval_dataset_name": str(Path(args.test).resolve())}
     recipe = {**recipe, **paths}
     try:
-        all_arms, default_arms = study.load_arms(recipe, ARMS_FILE)
-        chosen = study.select_arms(all_arms, args.arms.split(",") if args.arms else default_arms)
+        all_arms, default_arms = load_arms(recipe, ARMS_FILE)
+        chosen = select_arms(all_arms, args.arms.split(",") if args.arms else default_arms)
     except ValueError as error:
         raise InputError(f"--arms: {error}" if args.arms else f"--config {args.config}: {error}") from error
     seeds = args.seeds or (recipe.get("study") or {}).get("seeds", study.DEFAULT_SEEDS)
@@ -192,7 +193,7 @@ def make_plan(args) -> dict:
     out = Path(args.output_dir)
     _check_same_study(out, recipe)
     done = [f"{a}-seed{s}" for s in range(seed0, seed0 + seeds) for a in chosen
-            if study.metrics_path(out, a, s).is_file()]
+            if metrics_path(out, a, s).is_file()]
     return {"config": config_path, "recipe": recipe, "arms": chosen, "seeds": list(range(seed0, seed0 + seeds)),
             "train": train, "test": test, "runs": runs, "done": done, "out": str(out),
             "workers": args.workers or min(MAX_WORKERS, max(1, runs - len(done))), "study": study}

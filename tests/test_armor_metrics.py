@@ -213,3 +213,53 @@ def test_anchor_mode_classifier_is_checked_at_construction(tmp_path):
 
     with pytest.raises(ValueError, match="anchor_mode_classifier 'no_such_mode'"):
         ArmorConfig(output_dir=str(tmp_path), anchor_mode_classifier="no_such_mode", report_to="none", use_cpu=True)
+
+
+def test_anchor_modes_split_by_prompt_type(tiny_tokenizer):
+    """anchor_mode_prompt_classifier: each prompt type's shares apart (anchors and on-policy rows), beside the overall
+    shares; the carry prompts' anchors are counted only under `carry/`."""
+    from armor_trl.rewards.modes import prompt_needs_carry
+
+    prompts = ["15+17="] * 4 + ["12+13="] * 4  # group 0 needs a carry, group 1 does not
+    texts = ["ab", "ac", "bd", "ae", "bb", "bc", "ad", "be"]
+
+    def padded(strings, left):
+        ids = [tiny_tokenizer(s, add_special_tokens=False)["input_ids"] for s in strings]
+        width, pad = max(map(len, ids)), tiny_tokenizer.pad_token_id
+        rows = [([pad] * (width - len(r)) + r) if left else (r + [pad] * (width - len(r))) for r in ids]
+        masks = [([0] * (width - len(r)) + [1] * len(r)) if left else ([1] * len(r) + [0] * (width - len(r)))
+                 for r in ids]
+        return torch.tensor(rows), torch.tensor(masks)
+
+    prompt_ids, prompt_mask = padded(prompts, left=True)
+    completion_ids, completion_mask = padded(texts, left=False)
+    output = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": torch.zeros(8)}
+    is_anchor = torch.tensor([False, False, False, True] * 2)
+    trainer = SimpleNamespace(accelerator=OneProcess(), _metrics={"train": defaultdict(list)},
+                              processing_class=tiny_tokenizer)
+    ArmorMetrics(trainer).anchor_modes(output, is_anchor, first_letter, prompt_needs_carry)
+    got = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    assert got["armor/anchor_mode/carry/a"] == 1.0 and got["armor/anchor_mode/no_carry/b"] == 1.0
+    assert "armor/anchor_mode/carry/b" not in got and "armor/anchor_mode/no_carry/a" not in got
+    assert got["armor/policy_mode/carry/a"] == 2 / 3 and got["armor/policy_mode/no_carry/b"] == 2 / 3
+    assert got["armor/anchor_mode/a"] == 0.5 and got["armor/policy_mode/b"] == 3 / 6  # overall, as before
+
+
+def test_the_carry_prompt_classifier_reads_the_problem():
+    from armor_trl.rewards.modes import prompt_needs_carry, resolve_prompt_classifier
+
+    assert resolve_prompt_classifier("arithmetic_needs_carry") is prompt_needs_carry
+    assert [prompt_needs_carry(p) for p in ("125+307=", "Add: 121+302=", "hello")] == ["carry", "no_carry", "other"]
+
+
+def test_the_prompt_classifier_needs_the_mode_classifier_and_a_known_name(tmp_path):
+    import pytest
+
+    from armor_trl import ArmorConfig
+
+    common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="needs anchor_mode_classifier"):
+        ArmorConfig(anchor_mode_prompt_classifier="arithmetic_needs_carry", **common)
+    with pytest.raises(ValueError, match="anchor_mode_prompt_classifier 'nope'"):
+        ArmorConfig(anchor_mode_classifier="arithmetic_carries", anchor_mode_prompt_classifier="nope", **common)

@@ -13,8 +13,10 @@ import yaml
 from trl import GRPOConfig
 
 from armor_trl import ArmorConfig
-from armor_trl.app.cli import EVAL_RESULTS_FILE, best_checkpoint, describe_resets, main, reset_schedule
-from armor_trl.app.recipe import parse_train_args, resolve_resume_from_checkpoint
+from armor_trl.app.cli import main
+from armor_trl.app.cli.eval import EVAL_RESULTS_FILE
+from armor_trl.app.cli.train import best_checkpoint, describe_resets, reset_schedule
+from armor_trl.app.recipe.parsing import parse_train_args, resolve_resume_from_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RECIPE = REPO / "configs" / "tiny_demo.yaml"
@@ -88,7 +90,7 @@ def test_parse_both_methods_from_one_recipe(recipe):
         (["--method", "grpo", "--armor_alpha", "0.9"], "ArmorConfig-only"),
         (["--method=grpo", "--ref-reset-steps", "4"], "ArmorConfig-only"),
         (["--armor_alpha", "1.5"], "armor_alpha must lie in"),
-        (["--beta", "0.1"], "beta must be 0.0 with ARMOR"),
+        (["--beta", "-0.1"], "beta must be >= 0.0"),
         (["--per_device_train_batch_size", "6"], "must be divisible by num_generations"),
         (["--no_such_flag", "1"], "Unknown arguments"),
         (["--method", "ppo"], "method must be one of"),
@@ -170,13 +172,13 @@ def test_eval_with_a_model_that_cannot_be_loaded_is_a_one_line_error(model, tmp_
 
 
 def test_eval_refuses_fewer_samples_than_k_before_generating(tiny_model_path, monkeypatch, capsys):
-    import armor_trl.app.cli
+    import armor_trl.app.cli.eval
     import armor_trl.callbacks.evaluation
 
     def never(*args, **kwargs):
         raise AssertionError("nothing may be loaded or generated before the flags are checked")
 
-    monkeypatch.setattr(armor_trl.app.cli, "_load_model", never)
+    monkeypatch.setattr(armor_trl.app.cli.eval, "_load_model", never)
     monkeypatch.setattr(armor_trl.callbacks.evaluation, "sample_completions", never)
     assert main(["eval", "--model", tiny_model_path, "--dataset", "arithmetic", "--k", "4", "--num_samples", "2"]) == 2
     err = capsys.readouterr().err
@@ -347,7 +349,7 @@ def test_resume_from_checkpoint_strings(tmp_path):
 
 @pytest.mark.parametrize("value, expected", [("True", True), ("false", None), ("checkpoint-1", "checkpoint-1")])
 def test_train_passes_resume_from_checkpoint_to_the_trainer(value, expected, recipe, cwd, monkeypatch, capsys):
-    import armor_trl.app.cli
+    import armor_trl.app.cli.train
 
     (cwd / "out" / "checkpoint-1").mkdir(parents=True)
     monkeypatch.chdir(cwd / "out")  # a relative checkpoint path
@@ -362,7 +364,7 @@ def test_train_passes_resume_from_checkpoint_to_the_trainer(value, expected, rec
         def save_model(self, path):
             pass
 
-    monkeypatch.setattr(armor_trl.app.cli, "build_trainer", lambda *args, **kwargs: Trainer())
+    monkeypatch.setattr(armor_trl.app.cli.train, "build_trainer", lambda *args, **kwargs: Trainer())
     assert main(["train", "--config", str(recipe), "--resume_from_checkpoint", value]) == 0
     assert calls == [expected]
 
@@ -460,7 +462,7 @@ def test_a_trl_grpo_recipe_with_a_datasets_mixture_trains(recipe, cwd, capsys):
                           {"path": "json", "data_files": str(cwd / "more.jsonl"), "columns": ["prompt", "answer"]}]
     path = cwd / "mixture.yaml"
     path.write_text(yaml.safe_dump(config))
-    from armor_trl.app.recipe import train_datasets
+    from armor_trl.app.recipe.build import train_datasets
 
     script, _, _, notes = parse_train_args(["--config", str(path)])
     train, _ = train_datasets(script)
@@ -486,7 +488,7 @@ def test_eval_loads_a_lora_adapter_folder(tiny_model_path, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from armor_trl.app.cli import _load_model
+    from armor_trl.app.cli.eval import _load_model
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)

@@ -12,7 +12,7 @@ from transformers import TrainerCallback
 
 from armor_trl import ArmorConfig
 from armor_trl.callbacks.collapse_guard import best_index, collapse_detected
-from armor_trl.callbacks.evaluation import ValidationCallback
+from armor_trl.callbacks.validation import ValidationCallback
 from armor_trl.integration.checkpoint import read_state
 from testing import capture_rounds, cpu_args, digit_share_reward, make_trainer
 

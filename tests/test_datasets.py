@@ -325,7 +325,8 @@ def test_arithmetic_train_filter_restricts_training_problems_only():
 
 
 def test_arithmetic_train_filter_from_a_recipe(tiny_model_path):
-    from armor_trl.app.recipe import parse_train_args, train_datasets
+    from armor_trl.app.recipe.build import train_datasets
+    from armor_trl.app.recipe.parsing import parse_train_args
 
     config = Path(__file__).resolve().parent.parent / "configs" / "collapse_testbed.yaml"
     script_args, _, _, _ = parse_train_args(["--config", str(config), "--model_name_or_path", tiny_model_path,
@@ -371,7 +372,8 @@ def test_carry_share_rejects_bad_values():
 
 def test_train_carry_validation_source_holds_the_training_carry_problems():
     from armor_trl.data.datasets import arithmetic_prompt_has_carry
-    from armor_trl.app.recipe import DataArguments, load_datasets
+    from armor_trl.app.recipe.build import load_datasets
+    from armor_trl.app.recipe.fields import DataArguments
 
     args = DataArguments(arithmetic_digits=3, arithmetic_train_size=64,
                          arithmetic_eval_size=20, arithmetic_train_filter="no_carry", arithmetic_eval_filter="carry",

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from armor_trl.app.cli import main
-from armor_trl.app.experiments import demo, study
+from armor_trl.app.experiments import demo, plan
 from armor_trl.app.experiments.runner import read_curves
+from armor_trl.app.experiments.summary import summarize
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -73,7 +74,7 @@ def test_headline_follows_the_summary():
         "grpo": {0: _curve([(0, 0.45), (50, 0.52), (100, 0.40)]), 1: _curve([(0, 0.46), (50, 0.50), (100, 0.42)])},
         "armor": {0: _curve([(0, 0.45), (50, 0.51), (100, 0.44)]), 1: _curve([(0, 0.46), (50, 0.50), (100, 0.45)])},
     }
-    summary = study.summarize(curves, resamples=200)
+    summary = summarize(curves, resamples=200)
     summary.update(out="results/demo/x", seeds=[0, 1], runs_executed=4, wall_time_s=12.0,
                    recipe="configs/mode_testbed.yaml")
     text = demo.format_demo(summary)
@@ -108,13 +109,13 @@ def test_corrupt_experiment_files_are_named(tmp_path):
     arms = tmp_path / "arms.yaml"
     arms.write_text("arms:\n  grpo: {}\n  grpo: {beta: 0.1}\n")
     with pytest.raises(ValueError, match=f"{arms}:3:3: invalid YAML: duplicate key 'grpo'"):
-        study.load_arms({}, arms)
+        plan.load_arms({}, arms)
     arms.write_text("arms: [grpo]\n")
     with pytest.raises(ValueError, match=f"Arms file {arms} must be a mapping"):
-        study.load_arms({}, arms)
+        plan.load_arms({}, arms)
     (tmp_path / "study.json").write_text('{"recipe": ')
     with pytest.raises(ValueError, match=f"{tmp_path / 'study.json'}: not valid JSON"):
-        study.check_study_folder(tmp_path, {"recipe": {}, "smoke_overrides": None, "model": None, "arms": {}})
+        plan.check_study_folder(tmp_path, {"recipe": {}, "smoke_overrides": None, "model": None, "arms": {}})
 
 
 def test_demo_real_prints_a_line_per_step(capsys):

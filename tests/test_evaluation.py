@@ -15,9 +15,10 @@ from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl.integration import trl_seam
 from armor_trl.callbacks.evaluation import (
-    NothingJudgedError, ValidationCallback, completion_logps, evaluate, evaluate_with_trainer, pass_at_k, pass_curve,
-    sample_completions, shard,
+    NothingJudgedError, completion_logps, evaluate, evaluate_with_trainer, pass_at_k, pass_curve, sample_completions,
+    shard,
 )
+from armor_trl.callbacks.validation import ValidationCallback
 from armor_trl.rewards import exact_integer_reward
 from testing import cpu_args, has_digit_reward
 
@@ -197,7 +198,7 @@ def test_validation_callback_without_its_trainer_still_records(tiny_model_path, 
 def test_validation_callback_refuses_zero3_instead_of_hanging():
     from types import SimpleNamespace
 
-    from armor_trl.callbacks.evaluation import ValidationCallback
+    from armor_trl.callbacks.validation import ValidationCallback
 
     callback = ValidationCallback(eval_dataset=None, verifier=lambda **kw: [], every_steps=1)
     args = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))

@@ -195,7 +195,7 @@ def test_every_name_the_notebook_uses_exists():
 
 
 def test_next_steps_name_installed_recipes():
-    from armor_trl.app.experiments.study import CONFIGS
+    from armor_trl.app.experiments.plan import CONFIGS
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     text = "\n".join(cell.source for cell in nb.cells)

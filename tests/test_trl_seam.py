@@ -1,4 +1,6 @@
 import ast
+import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -9,7 +11,10 @@ from packaging.version import Version
 from packaging.specifiers import SpecifierSet
 
 import armor_trl
-from armor_trl.integration import trl_seam
+from armor_trl.integration import trl_seam, vllm_engine
+
+
+_getsource = inspect.getsource
 
 
 def test_installed_trl_is_a_supported_version():
@@ -32,6 +37,13 @@ def test_private_attributes_we_touch_exist_on_a_trainer(tiny_model_path, tiny_to
     assert trl_seam.missing_attributes(trainer) == []
 
 
+def test_surface_check_covers_the_vllm_wrapper_methods_the_engine_helpers_call(monkeypatch):
+    module_name, _, class_name = vllm_engine.VLLM_ENGINE.rpartition(".")
+    wrapper = getattr(importlib.import_module(module_name), class_name)
+    monkeypatch.delattr(wrapper, "sync_weights")
+    assert any(f"{class_name}.sync_weights is missing" in p for p in trl_seam.check_trl_surface())
+
+
 def test_surface_check_detects_a_loss_that_computes_the_log_probs_twice(monkeypatch):
     def _compute_loss(self, model, inputs):
         a = self._get_per_token_logps_and_entropies(model, inputs)
@@ -45,6 +57,7 @@ def test_surface_check_detects_a_loss_that_computes_the_log_probs_twice(monkeypa
 def test_surface_check_detects_a_loss_type_or_level_armor_has_not_derived(monkeypatch):
     def _compute_loss(self, model, inputs):
         logps = self._get_per_token_logps_and_entropies(model, inputs)
+        reference = inputs["ref_per_token_logps"]  # noqa: F841 - what the surface check looks for
         if self.importance_sampling_level == "token" or self.importance_sampling_level == "segment":
             pass
         if self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"] or self.loss_type == "new":
@@ -59,6 +72,21 @@ def test_surface_check_detects_a_loss_type_or_level_armor_has_not_derived(monkey
     monkeypatch.setattr(trl_seam, "LOSS_TYPES", (*trl_seam.LOSS_TYPES, "new"))
     monkeypatch.setattr(trl_seam, "IMPORTANCE_SAMPLING_LEVELS", ("token", "sequence", "segment"))
     assert trl_seam.check_trl_surface() == []
+
+
+@pytest.mark.parametrize("body", [
+    "logps = self._get_per_token_logps_and_entropies(model, inputs)\n",  # no KL read
+    "reference = inputs['ref_per_token_logps']\nlogps = self._get_per_token_logps_and_entropies(model, inputs)\n",
+])
+def test_surface_check_detects_a_kl_term_armor_cannot_hand_its_reference(monkeypatch, body):
+    """ARMOR + KL sets TRL's KL reference input while TRL computes the policy's log-probs: TRL must read it after."""
+    source = "def _compute_loss(self, model, inputs):\n" + "".join(f"    {line}\n" for line in body.splitlines())
+    scope = {}
+    exec(compile(source, "<fake>", "exec"), scope)
+    monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", scope["_compute_loss"])
+    monkeypatch.setattr(trl_seam.inspect, "getsource", lambda f: source if f is scope["_compute_loss"] else
+                        _getsource(f))
+    assert any("ref_per_token_logps" in p for p in trl_seam.check_trl_surface())
 
 
 def test_the_mixed_log_probs_reach_the_loss_exactly_once_or_the_run_stops():
@@ -93,9 +121,13 @@ def test_no_module_but_the_seam_touches_trls_private_surface(tiny_model_path, ti
     private = private_names_of_grpo_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
     assert {"_metrics", "_is_vlm", "_get_output_dir", "_determine_best_metric"} <= private  # the scan sees them
     package = Path(armor_trl.__file__).parent
+    # the seam's two halves: TRL's (and transformers') private names, and TRL's vLLM wrapper with vLLM's own names
+    seam = {Path(trl_seam.__file__).resolve(), Path(vllm_engine.__file__).resolve()}
+    assert {path.name for path in seam} == {"trl_seam.py", "vllm_engine.py"}
+    assert all(path.parent == package.resolve() / "integration" for path in seam)
     offences = []
     for path in sorted(package.rglob("*.py")):
-        if path.name == "trl_seam.py":
+        if path.resolve() in seam:
             continue
         tree = ast.parse(path.read_text())
         own = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)} - set(trl_seam.OVERRIDDEN)
@@ -120,8 +152,8 @@ def test_names_replaced_by_overlapping_blocks_are_restored_whatever_order_they_e
     module = types.ModuleType("armor_fake_vllm")
     module.setup = original = lambda: "vllm"
     monkeypatch.setitem(sys.modules, "armor_fake_vllm", module)
-    first = trl_seam._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+first")
-    second = trl_seam._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+second")
+    first = vllm_engine._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+first")
+    second = vllm_engine._replaced("armor_fake_vllm.setup", lambda f: lambda: f() + "+second")
     first.__enter__()
     second.__enter__()
     assert module.setup() == "vllm+first+second"

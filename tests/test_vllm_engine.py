@@ -31,6 +31,7 @@ from peft import LoraConfig  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from armor_trl.integration import trl_seam as seam  # noqa: E402
+from armor_trl.integration import vllm_engine  # noqa: E402
 from armor_trl.integration.checkpoint import STATE_FILE  # noqa: E402
 from armor_trl.callbacks.evaluation import evaluate, evaluate_with_trainer  # noqa: E402
 from armor_trl.app.tiny import build_tiny_model, build_tokenizer  # noqa: E402
@@ -120,7 +121,8 @@ class EngineCalls:
         self.calls.append((judge(d_policy < TOLERANCE, d_reference < TOLERANCE), len(prompts)))
         reference = getattr(self.trainer, "reference", None)
         if reference is not None and reference.kind == "full":
-            engine_qkv = seam.colocated_engine_model(self.trainer.vllm_generation).model.layers[0].self_attn.qkv_proj
+            engine_model = vllm_engine.colocated_engine_model(self.trainer.vllm_generation)
+            engine_qkv = engine_model.model.layers[0].self_attn.qkv_proj
             self.weights.append(judge(*(qkv_gap(engine_qkv.weight, model) < 2e-3
                                         for model in (self.trainer.model, reference.model))))
 
@@ -167,7 +169,7 @@ def assert_importance_ratio_near_one(trainer):
 # --- the trainer's surface on this vLLM -------------------------------------------------------------------------------
 def test_the_vllm_names_armor_replaces_exist():
     assert seam.check_trl_surface() == []
-    assert seam.check_vllm_surface() == []
+    assert vllm_engine.check_vllm_surface() == []
 
 
 # --- anchors from π_ref, rollouts from π_θ ----------------------------------------------------------------------------
@@ -315,7 +317,7 @@ def test_with_both_switches_off_it_trains_like_grpo_trainer_on_the_same_engine(m
                       loss_type="dapo", epsilon_high=0.28)
     plain_args = GRPOConfig(output_dir=str(tmp_path / "grpo"), **common)
     # the engine ArmorConfig(vllm_enforce_eager=True) builds; on a CPU also the weights TRL's sync can reach
-    with seam.colocated_engine_built(SimpleNamespace(**ENGINE, vllm_dtype="auto")):
+    with vllm_engine.colocated_engine_built(SimpleNamespace(**ENGINE, vllm_dtype="auto")):
         plain = GRPOTrainer(model=model_path, reward_funcs=digit_share_reward, args=plain_args,
                             train_dataset=prompt_dataset, processing_class=tokenizer)
     STARTED.append(plain)

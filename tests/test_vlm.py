@@ -261,7 +261,8 @@ def test_the_vlm_recipe_keeps_each_rows_image_with_its_chat_prompt(monkeypatch, 
     from pathlib import Path
 
     import armor_trl.data.datasets
-    from armor_trl.app.recipe import parse_train_args, train_datasets
+    from armor_trl.app.recipe.build import train_datasets
+    from armor_trl.app.recipe.parsing import parse_train_args
 
     stand_in = Dataset.from_list([{"image": image_of(n), "problem": f"What is {n}+{n + 1}?",
                                    "solution": f"\\boxed{{{2 * n + 1}}}", "original_question": "",

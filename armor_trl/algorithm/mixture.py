@@ -89,6 +89,20 @@ def k3_kl(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+
+def kl_reference_logps(ref_logp: torch.Tensor, logp: torch.Tensor, loss_logp: torch.Tensor,
+                       on_policy: torch.Tensor) -> torch.Tensor:
+    """What to hand TRL's KL term as the reference's log-probs when ARMOR trains with β ≠ 0 (ARMOR + KL).
+
+    TRL builds its KL term from the log-probs its loss sees, ``loss_logp`` (the mixture's log π_mix under the mixed
+    ratio), as k3 with δ = ref − loss_logp. Handing it ref' = log π_ref + (loss_logp − log π_θ) makes δ = log π_ref −
+    log π_θ, so the term is β · k3 of π_θ against π_ref, the penalty of GRPO + KL, whatever the mixture; on anchor rows
+    (``on_policy`` False: sampled from π_ref, where k3 estimates no reverse KL) ref' = loss_logp makes it 0. Both are
+    exact in value and in gradient (autograd sees loss_logp − loss_logp). ``on_policy``: (rows,) bool.
+    """
+    shifted = ref_logp + (loss_logp - logp)
+    return torch.where(on_policy.unsqueeze(-1).to(loss_logp.device), shifted, loss_logp)
+
 # --- what the loss's ratio does (metrics) ------------------------------------------------------------------------
 def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str = "token"):
     """TRL's importance ratio π_θ/π_old per token, or (``level="sequence"``) the exp of each row's masked mean

@@ -24,7 +24,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
 from armor_trl.integration import trl_seam as seam
-from armor_trl.callbacks.evaluation import TRAIN_REWARD_KEYS
+from armor_trl.callbacks.validation import TRAIN_REWARD_KEYS
 
 logger = logging.get_logger(__name__)
 

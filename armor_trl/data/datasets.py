@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datasets import Dataset, Features, Value, load_dataset
 
 from armor_trl.rewards import gsm8k_answer, is_no_answer
+from armor_trl.rewards.modes import has_carry
 
 logger = logging.getLogger(__name__)
 
@@ -245,15 +246,6 @@ def load_rlvr_dataset(
 
 
 # --- the synthetic task ------------------------------------------------------------------------------------------
-def has_carry(a: int, b: int) -> bool:
-    """Whether the written addition of ``a`` and ``b`` carries in some column."""
-    while a or b:
-        if a % 10 + b % 10 >= 10:
-            return True
-        a, b = a // 10, b // 10
-    return False
-
-
 # Restrictions of the training problems (``arithmetic_train_filter``) or of the held-out ones
 # (``arithmetic_eval_filter``); by default neither set is filtered.
 # "no_carry" gives training a shortcut the held-out set punishes: every training answer is the column-wise digit

@@ -161,23 +161,33 @@ class ArmorMetrics:
             self.log(f"armor/{kind}_length_mean", share(sums[index], sums[4 + index]))
             self.log(f"armor/{kind}_advantage_mean", share(sums[2 + index], sums[4 + index]))
 
-    def anchor_modes(self, output: dict, is_anchor: torch.Tensor, classifier) -> None:
+    def anchor_modes(self, output: dict, is_anchor: torch.Tensor, classifier, prompt_classifier=None) -> None:
         """The anchor mode diagnostic (``anchor_mode_classifier``): each mode's share among the anchors and among the
         on-policy rows of the groups the gate kept (``armor/anchor_mode/<mode>``, ``armor/policy_mode/<mode>``), how
         many anchors are in the kept groups (``armor/anchors_kept``, all processes) and their mean advantage
-        (``armor/kept_anchor_advantage_mean``; an anchor whose group all solved the prompt gets 0: it moves nothing)."""
+        (``armor/kept_anchor_advantage_mean``; an anchor whose group all solved the prompt gets 0: it moves nothing).
+        With ``prompt_classifier`` (``anchor_mode_prompt_classifier``) the shares are also logged per prompt type,
+        ``armor/{anchor,policy}_mode/<type>/<mode>``."""
         trainer = self.trainer
         kept = output.get(KEPT_ROWS)
         kept = torch.ones_like(is_anchor) if kept is None else kept.to(is_anchor.device)
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         ids = output["completion_ids"].masked_fill(output["completion_mask"] == 0, tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        local = [(bool(a), classifier(text)) for a, k, text in zip(is_anchor.tolist(), kept.tolist(), texts) if k]
+        if prompt_classifier is None:
+            types = [None] * len(texts)
+        else:
+            prompt_ids = output["prompt_ids"].masked_fill(output["prompt_mask"] == 0, tokenizer.pad_token_id)
+            types = [prompt_classifier(p) for p in tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)]
+        local = [(bool(a), classifier(text), kind) for a, k, text, kind in
+                 zip(is_anchor.tolist(), kept.tolist(), texts, types) if k]
         rows = [row for part in gather_object([local]) for row in part]  # every process's rows
         for kind, anchor in (("anchor", True), ("policy", False)):
-            modes = [mode for is_anchor_row, mode in rows if is_anchor_row == anchor]
-            for mode in sorted(set(modes)):
-                self.log(f"armor/{kind}_mode/{mode}", modes.count(mode) / len(modes))
+            for prompt_type in (None, *sorted({t for _, _, t in rows if t is not None})):
+                modes = [mode for a, mode, t in rows if a == anchor and prompt_type in (None, t)]
+                prefix = f"armor/{kind}_mode/" + ("" if prompt_type is None else f"{prompt_type}/")
+                for mode in sorted(set(modes)):
+                    self.log(prefix + mode, modes.count(mode) / len(modes))
         advantages = output["advantages"].to(is_anchor.device)
         kept_anchors = is_anchor & kept
         count, total = self._sums([kept_anchors.sum(), (advantages * kept_anchors).sum()])

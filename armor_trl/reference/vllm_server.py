@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import vllm_engine
 from armor_trl.reference.policy import ReferencePolicy
 
 # VLLMGeneration settings taken from the policy's engine, so that the reference server samples like it.
@@ -55,8 +55,8 @@ class ReferenceServer:
     def connect(cls, trainer, holds_initial_reference: bool) -> "ReferenceServer":
         """Connect to the server named by the trainer's ArmorConfig; sample with the policy engine's settings."""
         args = trainer.args
-        engine = seam.server_engine(trainer, args.vllm_reference_server_url, args.vllm_reference_group_port,
-                                    SHARED_SETTINGS)
+        engine = vllm_engine.server_engine(trainer, args.vllm_reference_server_url, args.vllm_reference_group_port,
+                                           SHARED_SETTINGS)
         return cls(engine, trainer.reference, trainer.accelerator.unwrap_model, holds_initial_reference)
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, policy) -> list[list[int]]:
@@ -66,14 +66,14 @@ class ReferenceServer:
         """
         if self.held_resets != self.reference.resets:
             self.push(policy)
-        return seam.engine_generate(self.engine, prompt_ids, num_generations)
+        return vllm_engine.engine_generate(self.engine, prompt_ids, num_generations)
 
     def push(self, policy) -> None:
         """Send π_ref's current weights to the server (for LoRA: the base model with the "ref" adapter merged)."""
         if self.reference.kind == "full":
-            seam.push_to_engine(self.engine, self.unwrap(self.reference.model))
+            vllm_engine.push_to_engine(self.engine, self.unwrap(self.reference.model))
         else:
-            seam.set_engine_model(self.engine, policy)
+            vllm_engine.set_engine_model(self.engine, policy)
             with self.reference.active(policy):  # TRL's sync merges the active adapter: "ref"
-                seam.push_to_engine(self.engine)
+                vllm_engine.push_to_engine(self.engine)
         self.held_resets = self.reference.resets

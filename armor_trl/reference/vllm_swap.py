@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import vllm_engine
 
 
 @contextlib.contextmanager
@@ -40,21 +41,21 @@ def _reference_pushed(trainer):
     if reference.holds_policy_weights():
         # The engine may still hold older policy weights: bring it to the current ones, which are π_ref's too.
         if seam.engine_step(trainer) != step:
-            seam.push_to_engine(engine)
+            vllm_engine.push_to_engine(engine)
             seam.set_engine_step(trainer, step)
         yield
         return
-    policy_model = seam.engine_model(engine)
+    policy_model = vllm_engine.engine_model(engine)
     try:
         if reference.kind == "full":
-            seam.push_to_engine(engine, trainer.accelerator.unwrap_model(reference.model))
+            vllm_engine.push_to_engine(engine, trainer.accelerator.unwrap_model(reference.model))
         else:
             with reference.active(trainer.accelerator.unwrap_model(trainer.model)):
-                seam.push_to_engine(engine)
+                vllm_engine.push_to_engine(engine)
         seam.set_engine_step(trainer, step)  # keep TRL's generation path from pushing the policy inside the block
         yield
     finally:
-        seam.set_engine_model(engine, policy_model)
+        vllm_engine.set_engine_model(engine, policy_model)
         seam.set_engine_step(trainer, -1)  # the engine holds π_ref: TRL pushes the policy before its next rollout
 
 

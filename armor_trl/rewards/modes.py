@@ -98,6 +98,38 @@ def max_completion_chars(digits: int) -> int:
 CLASSIFIERS: dict[str, Callable[[str], str]] = {"arithmetic": classify, "arithmetic_carries": classify_carries}
 
 
+def has_carry(a: int, b: int) -> bool:
+    """Whether the written addition of ``a`` and ``b`` carries in some column."""
+    while a or b:
+        if a % 10 + b % 10 >= 10:
+            return True
+        a, b = a // 10, b // 10
+    return False
+
+
+def prompt_needs_carry(prompt: str) -> str:
+    """The type of an addition prompt's text: ``carry`` when its problem ``a+b=`` needs a carry, ``no_carry`` when it
+    does not, ``other`` when the text holds no such problem."""
+    match = re.search(r"(\d+)\+(\d+)=", prompt)
+    if match is None:
+        return OTHER
+    return "carry" if has_carry(int(match.group(1)), int(match.group(2))) else "no_carry"
+
+
+PROMPT_CLASSIFIERS: dict[str, Callable[[str], str]] = {"arithmetic_needs_carry": prompt_needs_carry}
+
+
+def resolve_prompt_classifier(name: str, field: str = "anchor_mode_prompt_classifier") -> Callable[[str], str]:
+    """A prompt classifier (prompt text → prompt type) by registered name (:data:`PROMPT_CLASSIFIERS`) or import
+    path ``pkg.mod:func``; errors name ``field``."""
+    if name in PROMPT_CLASSIFIERS:
+        return PROMPT_CLASSIFIERS[name]
+    if ":" not in name:
+        raise ValueError(f"Unknown {field} {name!r}: expected one of {sorted(PROMPT_CLASSIFIERS)} or an import path "
+                         "'pkg.module:function'.")
+    return resolve_classifier(name, field)
+
+
 def resolve_classifier(name: str, field: str = "val_mode_classifier") -> Callable[[str], str]:
     """A mode classifier (completion text → mode label) by registered name (:data:`CLASSIFIERS`) or import path
     ``pkg.mod:func``; errors name ``field``, the setting that gave ``name``."""

@@ -48,7 +48,7 @@ from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 
-from armor_trl.callbacks import evaluation  # noqa: E402
+from armor_trl.callbacks import evaluation, validation  # noqa: E402
 
 # What the reward function saw on this process: the phase is "candidates" while the trainer scores reference
 # candidates for anchors and "rollout" otherwise.
@@ -344,7 +344,7 @@ def main(argv=None):
     if cli.validate:
         seam = evaluation.trl_seam = CountingSeam(evaluation.trl_seam)
         held_out = dataset.select(range(NUM_VAL_PROBLEMS))
-        callback = evaluation.ValidationCallback(held_out, digit_verifier, every_steps=cli.max_steps, temperature=1.0,
+        callback = validation.ValidationCallback(held_out, digit_verifier, every_steps=cli.max_steps, temperature=1.0,
                                                  seed=5, **VALIDATION).attach(trainer)
         direct = DirectValidation(trainer, held_out, seam)
         trainer.add_callback(direct)  # after the callback: its step-0 validation comes first

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from armor_trl.app.experiments import stats, study
+from armor_trl.app.experiments import plan, plots, stats, study
 
-DEFAULT_CONFIG = study.CONFIGS / "mode_testbed.yaml"
+DEFAULT_CONFIG = plan.CONFIGS / "mode_testbed.yaml"
 ARMS = ("grpo", "grpo_kl_0.1", "grpo_small_lr", "armor")
 SEEDS = 3
 WARMUP_SEED = 0  # one warm checkpoint (the study's first): the spread across warm checkpoints is docs/evidence.md's
@@ -162,7 +162,7 @@ def _real_run(method: str, model: str, output_dir: Path, steps: int, seed: int) 
     from armor_trl import ArmorConfig, ArmorGRPOTrainer
 
     from armor_trl.app import real_model
-    from armor_trl.callbacks.evaluation import ValidationCallback
+    from armor_trl.callbacks.validation import ValidationCallback
     from armor_trl.rewards import math_verify_reward
 
     settings = dict(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=8, num_generations=4,
@@ -192,7 +192,7 @@ def _real_run(method: str, model: str, output_dir: Path, steps: int, seed: int) 
 
 def plot_real_demo(summary: dict, path: Path) -> None:
     """Training reward (on-policy samples) and validation avg@k per step, one line per method."""
-    plt = study.pyplot()
+    plt = plots.pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(10, 3.8))

@@ -16,7 +16,9 @@ import time
 import warnings
 from pathlib import Path
 
-from armor_trl.app.recipe import build_trainer, load_recipe, parse_train_args, read_json, read_jsonl
+from armor_trl.app.recipe.build import build_trainer
+from armor_trl.app.recipe.loading import load_recipe, read_json, read_jsonl
+from armor_trl.app.recipe.parsing import parse_train_args
 
 VAL_KEY_PREFIX = "val/avg@"
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY")
@@ -54,14 +56,18 @@ def resolve_overrides(overrides: dict, recipe: dict) -> dict:
     scale = overrides.pop(LR_SCALE_KEY, None)
     if scale is None:
         return overrides
-    merged = {**recipe, **overrides}
     if scale == "alpha":
-        g = merged["num_generations"]
-        scale = merged.get("armor_alpha") or (g - merged.get("anchors_per_group", 1)) / g
+        scale = alpha_of({**recipe, **overrides})
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
         raise ValueError(f"{LR_SCALE_KEY} must be a positive number or 'alpha', got {scale!r}.")
-    overrides["learning_rate"] = merged["learning_rate"] * scale
+    overrides["learning_rate"] = {**recipe, **overrides}["learning_rate"] * scale
     return overrides
+
+
+def alpha_of(settings: dict) -> float:
+    """ARMOR's α under ``settings`` (a recipe with an arm's overrides): ``armor_alpha``, else (G − anchors)/G."""
+    g = settings["num_generations"]
+    return settings.get("armor_alpha") or (g - settings.get("anchors_per_group", 1)) / g
 
 
 def override_flags(overrides: dict) -> list[str]:
