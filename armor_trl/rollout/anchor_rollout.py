@@ -24,7 +24,8 @@ from armor_trl.integration import trl_seam as seam
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import (AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask,
                       verifier_counts)
-from armor_trl.rollout.anchor_waves import draw_in_waves, filters_groups, picks_needed, round_eligibility, score_on_policy
+from armor_trl.rollout.anchor_waves import (agreed_count, draw_in_waves, filters_groups, picks_needed, round_eligibility,
+                                           score_on_policy)
 from armor_trl.rollout.column_anchors import ColumnAnchors, verify_round
 from armor_trl.algorithm.loss_rows import drop_rows
 from armor_trl.reference.vllm_swap import neutral_sampling_logprobs, reference_in_engine
@@ -156,7 +157,7 @@ class AnchorRollout:
         # the same number of groups. Spare places retry remembered failures, then repeat a group (discarded).
         rounds = len(to_sample)
         if self.cache is not None or eligible is not None:
-            rounds = int(trainer.accelerator.gather(torch.tensor([rounds], device=device)).max())
+            rounds = agreed_count(trainer, rounds)
         retried = [g for g in range(groups) if known_failures[g] is not None][: max(rounds - len(to_sample), 0)]
         used = to_sample + retried
         sampled = used + [used[0] if used else 0] * (rounds - len(used))
