@@ -117,3 +117,12 @@ def test_no_room_outgrows_500_lines_but_the_field_list_and_the_seam():
     sizes = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > ROOM_LINES and name not in LARGE_ROOMS} == {}
     assert set(LARGE_ROOMS) <= set(sizes)  # an exception for a room that no longer exists goes too
+
+
+def test_the_validation_callback_keeps_its_old_import_path():
+    """armor_trl.evaluation held ValidationCallback before the move; it lives in callbacks/validation.py now."""
+    from armor_trl.callbacks.validation import ValidationCallback
+
+    with pytest.warns(DeprecationWarning, match="moved to armor_trl.callbacks.validation"):
+        from armor_trl.evaluation import ValidationCallback as old
+    assert old is ValidationCallback

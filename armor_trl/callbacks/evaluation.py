@@ -424,3 +424,16 @@ def pass_curve(counts: list, n: int, k: int) -> dict[int, float]:
     judged = [c for c in counts if c is not None]
     return {j: sum(pass_at_k(n, c, j) for c in judged) / len(judged)
             for j in (2**e for e in range(k.bit_length())) if j <= k}
+
+
+def __getattr__(name: str):
+    """The flat layout's ``armor_trl.evaluation`` (this module's old path) also held the validation callback, which
+    lives in :mod:`armor_trl.callbacks.validation` now: reached from here with a DeprecationWarning."""
+    if name in ("ValidationCallback", "TRAIN_REWARD_KEYS"):
+        import importlib
+        import warnings
+
+        warnings.warn(f"{name} moved to armor_trl.callbacks.validation; import it from there", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(importlib.import_module("armor_trl.callbacks.validation"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
