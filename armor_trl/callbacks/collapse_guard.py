@@ -92,7 +92,7 @@ class CollapseGuard(TrainerCallback):
             if key in state:
                 setattr(self, key, state[key])
         if "checkpoints" not in state:  # written before the guard kept its checkpoints' folders: the run's own folder
-            self.checkpoints = [self.checkpoint_of(step) for step in self.steps]
+            self.checkpoints = [os.path.abspath(self.checkpoint_of(step)) for step in self.steps]
         # relative folders are the run folder's the state was read from (absolute ones, written before, stay)
         base = self._read_from or os.path.abspath(self.trainer.args.output_dir)
         self.checkpoints = [os.path.normpath(os.path.join(base, path)) for path in self.checkpoints]
