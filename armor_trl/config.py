@@ -357,6 +357,20 @@ class ArmorConfig(GRPOConfig):
             "Logged as `armor/anchor_eligible_frac`. False: candidates for every group, as the paper."
         },
     )
+    anchor_deferred: bool = field(
+        default=True,
+        metadata={
+            "help": "With `dynamic_sampling` and `anchor_eligible_only`: the eligible groups that are kept whatever their "
+            "anchor (with `anchor_filter='keep'`, groups with mixed on-policy outcomes; the anchor only joins them) draw "
+            "their candidates once per rollout batch, after the refill loop, and only if they made the batch: one "
+            "candidate call (one swap of π_ref into vLLM) per rollout batch instead of one per round, none for groups "
+            "the batch cuts. Groups whose keep decision depends on their anchor (the gate, `anchor_filter='drop'`; "
+            "unsolved groups with `dynamic_sampling_keep_unsolved`) draw in their round. The kept batch, its anchors' "
+            "distribution and the loss are the in-round path's (docs/algorithm.md, 'Which groups get candidates'); "
+            "same-call rounds and VLM or `rollout_func` runs draw in their round. Logged as "
+            "`armor/anchor_deferred_frac`. False: every eligible group draws in its round."
+        },
+    )
     anchor_column: str = field(
         default="anchors",
         metadata={

@@ -38,6 +38,7 @@ from armor_trl.integration.checkpoint import ArmorState, fingerprint, resolve_ch
 from armor_trl.callbacks.collapse_guard import CollapseGuard
 from armor_trl.config import ArmorConfig
 from armor_trl.rollout.dynamic_sampling import DynamicSampling, advantages_across_processes
+from armor_trl.rollout.refill import take_rows
 from armor_trl.integration.launcher import check_use_cpu
 from armor_trl.algorithm.loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
 from armor_trl.algorithm.mixture import kl_reference_logps, mixed_logprobs
@@ -213,7 +214,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if not self.model.training:
             return self._score_round(inputs)[0]
         if self.dynamic_sampling is not None:
-            output = self.dynamic_sampling.batch(self._score_round, inputs)
+            complete = None if self.anchor_rollout is None else self._place_deferred_anchors
+            output = self.dynamic_sampling.batch(self._score_round, inputs, complete)
         else:
             output, anchors, _ = self._score_round(inputs)
             if self.args.advantage_quantile is not None:
@@ -222,16 +224,19 @@ class ArmorGRPOTrainer(GRPOTrainer):
                     keep = anchors.has_anchor.to(keep.device)
                 output["advantages"] = advantages_across_processes(self, output["armor_reward"], keep)
         del output["armor_reward"], output["armor_correctness"]
+        self._add_logprobs(output)
         if "armor_is_anchor" in output:
             self._shape_anchor_advantages(output)
         return output
 
     def _score_round(self, inputs):
-        """One round generated and scored by TRL, with ARMOR's fields: (output, its anchors or None, anchor slots)."""
+        """One round generated and scored by TRL, with ARMOR's fields: (output, its anchors or None, anchor slots).
+        Log-probs are not computed here for the rows that will train (:meth:`_add_logprobs`)."""
         training = self.model.training
         anchored = training and self.armor_active and self.args.use_anchors
         self._round = Round(inputs=inputs if anchored else None)
-        output = super()._generate_and_score_completions(inputs)
+        with seam.round_logps_skipped(self) if self._skips_round_logps() else contextlib.nullcontext():
+            output = super()._generate_and_score_completions(inputs)
         current, self._round = self._round, Round()
         if not training:
             return output, None, 0
@@ -247,6 +252,26 @@ class ArmorGRPOTrainer(GRPOTrainer):
         output["armor_correctness"] = correctness[rank * rows : (rank + 1) * rows]
         slots = 0 if self.anchor_rollout is None else self.anchor_rollout.slots_per_group
         return output, current.anchors, slots
+
+    def _place_deferred_anchors(self, batch: dict, group_inputs: list[dict], kept: int) -> None:
+        """The anchors of the batch's groups that waited for the refill loop (``anchor_deferred``), drawn in one call
+        and put in their slots before dynamic sampling computes the batch's advantages."""
+        placed = self.anchor_rollout.deferred_anchors(batch, group_inputs, kept)
+        if placed is None:
+            return
+        anchors, rows = placed
+        self.armor_metrics.anchor_round(anchors, self.args.anchor_filter, self.args.anchor_reward_threshold,
+                                        self.anchor_rollout.cache)
+        if rows and "old_per_token_logps" in batch:  # their rounds computed them for the fillers (vLLM's correction)
+            batch["old_per_token_logps"][rows] = self._completion_logps(self.model, take_rows(batch, rows))
+
+    def _skips_round_logps(self) -> bool:
+        """Whether TRL's pass for the old policy's log-probs is left out of a training round: under dynamic sampling
+        the rows of dropped groups would never use them, so they are computed once for the batch that trains
+        (unless TRL reads them within the round: vLLM's importance-sampling correction, or β ≠ 0, whose reference
+        pass TRL makes there too)."""
+        return (self.model.training and self.dynamic_sampling is not None and self.beta == 0.0
+                and not seam.vllm_correction(self))
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.reference is not None:
@@ -296,33 +321,43 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return rewards
 
     def _add_armor_fields(self, output: dict, anchors: AnchorRound | None) -> dict:
-        """π_ref's log-probs of every row, the anchor flag, and the masks of ``anchor_filter``."""
+        """A round's anchor flag and the masks of ``anchor_filter`` (π_ref's log-probs: :meth:`_add_logprobs`)."""
         args = self.args
-        same_call = anchors is not None and self.anchor_rollout.same_call_round
-        needs_ref_logps = args.use_mixed_ratio or args.off_policy_ratio or args.beta != 0.0
-        if needs_ref_logps and same_call and "old_per_token_logps" in output:
-            # π_ref holds the weights that generated this round: its log-probs are the old policy's, already computed
-            output["armor_ref_logps"] = output["old_per_token_logps"]
-        elif needs_ref_logps:
-            model = self.reference.model if self.reference.kind == "full" else self.model
-            with self.reference.active(self.unwrapped_policy()):
-                output["armor_ref_logps"] = self._completion_logps(model, output)
-        if args.off_policy_ratio and output.get("old_per_token_logps") is None:  # (before the masks below)
-            output["old_per_token_logps"] = self._completion_logps(self.model, output)
         is_anchor = torch.zeros(output["completion_ids"].size(0), dtype=torch.bool, device=output["completion_ids"].device)
         if anchors is not None:
             is_anchor = self.anchor_rollout.mask_groups(output, anchors)
             self.armor_metrics.anchor_round(anchors, args.anchor_filter, args.anchor_reward_threshold,
                                             self.anchor_rollout.cache)
-        if args.off_policy_ratio:
-            # ordinary off-policy IS on anchor tokens: their "old" policy is π_ref, so TRL's ratio is π_θ/π_ref
-            output["old_per_token_logps"] = torch.where(is_anchor.unsqueeze(1), output["armor_ref_logps"],
-                                                        output["old_per_token_logps"])
         output["armor_is_anchor"] = is_anchor
         seam.log_metric(self, "armor/ref_resets", self.reference.resets)
         if self.reference.weights_step is not None:
             seam.log_metric(self, "armor/ref_weights_step", self.reference.weights_step)
         return output
+
+    def _add_logprobs(self, output: dict) -> None:
+        """The log-probs of the batch that trains, once per row: the old policy's where a round left them out
+        (:meth:`_skips_round_logps`), π_ref's where the loss needs them (the mixed ratio, off-policy IS)."""
+        args = self.args
+        if self._skips_round_logps() and seam.old_logps_needed(self):
+            output["old_per_token_logps"] = self._completion_logps(self.model, output)
+        if not self.armor_active:
+            return
+        rollout = self.anchor_rollout
+        same_call = args.use_anchors and rollout is not None and rollout.same_call_round  # (every round of a batch alike)
+        needs_ref_logps = args.use_mixed_ratio or args.off_policy_ratio or args.beta != 0.0  # (β: ARMOR + KL)
+        if needs_ref_logps and same_call and "old_per_token_logps" in output:
+            # π_ref holds the weights that generated this batch: its log-probs are the old policy's, already computed
+            output["armor_ref_logps"] = output["old_per_token_logps"]
+        elif needs_ref_logps:
+            model = self.reference.model if self.reference.kind == "full" else self.model
+            with self.reference.active(self.unwrapped_policy()):
+                output["armor_ref_logps"] = self._completion_logps(model, output)
+        if args.off_policy_ratio:
+            if output.get("old_per_token_logps") is None:
+                output["old_per_token_logps"] = self._completion_logps(self.model, output)
+            # ordinary off-policy IS on anchor tokens: their "old" policy is π_ref, so TRL's ratio is π_θ/π_ref
+            output["old_per_token_logps"] = torch.where(output["armor_is_anchor"].unsqueeze(1), output["armor_ref_logps"],
+                                                        output["old_per_token_logps"])
 
     @torch.no_grad()
     def _completion_logps(self, model, output: dict) -> torch.Tensor:
@@ -350,6 +385,8 @@ class ArmorGRPOTrainer(GRPOTrainer):
 
     # --- mixed optimization ----------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if seam.logps_call_skipped(self):  # a round's old log-probs, made for the batch that trains (_add_logprobs)
+            return None, None, None
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )

@@ -2,7 +2,9 @@
 eager and lazy sampling, with and without eligibility, next to the times.
 
 Counts come from ArmorGRPOTrainer's running totals (``AnchorRollout.counts``), recorded at the end of every optimizer
-step (``benchmarks.run``), and are taken over the measured steps (after warm-up). A "verified anchor" is a group that
+step (``benchmarks.run``), and are taken over the measured steps (after warm-up). "Groups drawing in their round" is the
+share of generated groups that drew candidates in the round that generated them; deferred groups (``anchor_deferred``)
+draw after the refill loop instead, counted per optimizer step. A "verified anchor" is a group that
 found its anchor among this round's fresh candidates (cache hits and column anchors are not counted). Candidate rows
 include the padding rows of other processes and, in a same-call round, the K rows per group of the policy's call.
 The ratios compare each variant with its paper path (``bench.yaml``: ``anchor_work.reference``), measured in the same
@@ -15,7 +17,8 @@ import statistics
 
 from benchmarks.config import BenchConfig
 
-COUNTS = ("candidate_rows", "candidates_scored", "anchors_from_candidates", "groups", "eligible_groups")
+COUNTS = ("candidate_rows", "candidates_scored", "anchors_from_candidates", "groups", "eligible_groups",
+          "deferred_groups")
 
 
 def measured(run: dict, warmup_steps: int) -> dict | None:
@@ -23,8 +26,8 @@ def measured(run: dict, warmup_steps: int) -> dict | None:
     records = run.get("anchor_counts")
     if not records or len(records) <= warmup_steps:
         return None
-    start = records[warmup_steps - 1] if warmup_steps > 0 else {key: 0 for key in COUNTS}
-    delta = {key: records[-1][key] - start[key] for key in COUNTS}
+    start = records[warmup_steps - 1] if warmup_steps > 0 else {}
+    delta = {key: records[-1].get(key, 0) - start.get(key, 0) for key in COUNTS}  # (older runs lack deferred_groups)
     steps = len(records) - warmup_steps
     anchors = delta["anchors_from_candidates"]
     return {
@@ -33,6 +36,7 @@ def measured(run: dict, warmup_steps: int) -> dict | None:
         "anchors_per_step": anchors / steps,
         "candidate_rows_per_anchor": delta["candidate_rows"] / anchors if anchors else None,
         "eligible_share": delta["eligible_groups"] / delta["groups"] if delta["groups"] else None,
+        "deferred_groups_per_step": delta["deferred_groups"] / steps,
     }
 
 
@@ -103,14 +107,14 @@ def table(entries: dict, title: str, m_of=None) -> list:
                         f"{f(work['candidates_scored_per_step'], 1)} | {f(work['anchors_per_step'], 2)} | "
                         f"{f(work['candidate_rows_per_anchor'])} | {vs.get('reference', '—')} | "
                         f"{f(vs.get('rows_per_step'))} | {f(vs.get('rows_per_anchor'))} | {f(work['eligible_share'])} | "
-                        f"{f(work['mixed_share'])} |")
+                        f"{f(work.get('deferred_groups_per_step'))} | {f(work['mixed_share'])} |")
     if not rows:
         return []
     return ["", title, "",
             "| config | " + ("M | " if m_of else "") + "candidate rows / opt step | scored / opt step | verified anchors / "
-            "opt step | rows per verified anchor | paper path | × rows/step | × rows/anchor | eligible groups | "
-            "mixed groups (realized) |",
-            "|---|" + ("---|" if m_of else "") + "---|---|---|---|---|---|---|---|---|", *rows]
+            "opt step | rows per verified anchor | paper path | × rows/step | × rows/anchor | groups drawing in their "
+            "round | deferred groups / opt step | mixed groups (realized) |",
+            "|---|" + ("---|" if m_of else "") + "---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def targets_table(rows: list) -> list:

@@ -13,7 +13,8 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
                    candidates), decoding, selection, cache bookkeeping, the switch to the reference; where only
                    eligible groups get candidates (dynamic sampling) also the on-policy rows' rewards, scored there
                    first (``reward`` then holds TRL's reuse of them)
-* ``ref_fwd``      reference log-probs: ``trl_seam.per_token_logps`` (ARMOR) or, for GRPO with beta > 0,
+* ``ref_fwd``      log-probs computed while the generation batch is built (π_ref's and, when TRL needs them, π_old's):
+                   ``trl_seam.per_token_logps`` (ArmorGRPOTrainer; under dynamic sampling π_old's too) or, for GRPO with beta > 0,
                    ``_get_per_token_logps_and_entropies`` called during ``_generate_and_score_completions``
 * ``reward``       ``_calculate_rewards`` (instance) for the training rows
 * ``gen_other``    rest of ``_generate_and_score_completions`` (tokenize, decode, advantages, metrics)
@@ -23,6 +24,10 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
 * ``push_policy``  with vLLM: TRL's pushes of the policy's weights (its ``sync_weights`` at a rollout after an
                    optimizer step, and after an anchor call), taken out of ``policy_gen``
 * ``other``        rest of the optimizer step: optimizer, scheduler, callbacks (reference resets), logging
+
+Besides the times, the work of each optimizer step (:data:`WORK`): TRL's generate calls for the policy's rows (one per
+generation round), generate calls for the anchor candidates (lazy waves: one per wave), and the rows of every log-prob
+forward pass made while generation batches are built (π_old's and π_ref's; not the loss's).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from collections import defaultdict
 
 PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
          "push_policy", "other")
+WORK = ("policy_calls", "anchor_calls", "logp_rows")
 
 
 def rss_mb() -> float:
@@ -55,10 +61,12 @@ class Timers:
         self.current = defaultdict(float)
         self.cpu = defaultdict(float)
         self.calls = defaultdict(int)
+        self.step_calls, self.step_rows = defaultdict(int), defaultdict(int)  # this optimizer step's
         self.flags = set()  # names of the wrapped calls in progress that set a flag
 
-    def wrap(self, fn, key, flag=None, key_fn=None):
-        """``fn`` timed under ``key`` (or ``key_fn()``; None: not timed); ``flag`` is set while it runs."""
+    def wrap(self, fn, key, flag=None, key_fn=None, rows_fn=None):
+        """``fn`` timed under ``key`` (or ``key_fn()``; None: not timed); ``flag`` is set while it runs;
+        ``rows_fn(args, result)``: the rows of the call, counted per step."""
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -68,28 +76,41 @@ class Timers:
             if flag:
                 self.flags.add(flag)
             start, cpu_start = time.perf_counter(), time.process_time()
+            result = None
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                return result
             finally:
                 self.current[name] += time.perf_counter() - start
                 self.cpu[name] += time.process_time() - cpu_start
                 self.calls[name] += 1
+                self.step_calls[name] += 1
+                if rows_fn is not None and result is not None:
+                    self.step_rows[name] += rows_fn(args, result)
                 if flag:
                     self.flags.discard(flag)
 
         return wrapper
 
-    def take(self) -> tuple[dict, dict]:
-        """This step's wall and CPU totals; starts the next step."""
-        wall, cpu = dict(self.current), dict(self.cpu)
-        self.current.clear()
-        self.cpu.clear()
-        return wall, cpu
+    def take(self) -> tuple[dict, dict, dict]:
+        """This step's wall and CPU totals and its work (:func:`work`); starts the next step."""
+        wall, cpu, done = dict(self.current), dict(self.cpu), work(self.step_calls, self.step_rows)
+        for totals in (self.current, self.cpu, self.step_calls, self.step_rows):
+            totals.clear()
+        return wall, cpu, done
+
+
+def work(calls: dict, rows: dict) -> dict:
+    """One step's :data:`WORK` from its call and row counts per timer key."""
+    return {"policy_calls": calls.get("policy_generate", calls.get("gen_single_turn", 0)),
+            "anchor_calls": calls.get("anchor_generate", 0) + calls.get("anchor_generate_after", 0),
+            "logp_rows": rows.get("ref_fwd_armor", 0) + rows.get("logps_in_gen", 0)}
 
 
 def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
-    """Wrap the trainer's TRL hooks (and, for ARMOR, the seam helpers) with timers; return the list that receives
-    one ``{"step", "raw", "raw_cpu"}`` record per optimizer step."""
+    """Wrap the trainer's TRL hooks (and, for ArmorGRPOTrainer, ``armor``, the seam helpers: with dynamic sampling
+    its π_old log-probs go through them even with ARMOR off) with timers; return the list that receives one
+    ``{"step", "raw", "raw_cpu", "work"}`` record per optimizer step."""
     from transformers import TrainerCallback
 
     t = trainer
@@ -101,13 +122,18 @@ def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
     # GRPO with beta > 0: the only per-token-logps forward during generation is the reference's (old log-probs are
     # not computed: steps_per_generation * num_iterations divides gradient_accumulation_steps).
     t._get_per_token_logps_and_entropies = timers.wrap(
-        t._get_per_token_logps_and_entropies, None, key_fn=lambda: "logps_in_gen" if "gen" in timers.flags else None
+        t._get_per_token_logps_and_entropies, None, key_fn=lambda: "logps_in_gen" if "gen" in timers.flags else None,
+        # (model, input_ids, ...); a round's skipped π_old pass (dynamic sampling) returns None: no rows
+        rows_fn=lambda args, result: 0 if result[0] is None else args[1].size(0),
     )
     if t.use_vllm:  # every weight push into the engine; ARMOR's pushes of π_ref also under "ref_push"
         engine = t.vllm_generation
         engine.sync_weights = timers.wrap(engine.sync_weights, "weight_sync")
     if armor:
         _instrument_seam(timers)
+    if getattr(t, "anchor_rollout", None) is not None:  # the deferred groups' draw, after the refill loop
+        rollout = t.anchor_rollout
+        rollout.deferred_anchors = timers.wrap(rollout.deferred_anchors, "deferred_anchors", flag="deferred")
     steps = []
 
     class StepTimer(TrainerCallback):
@@ -116,9 +142,9 @@ def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
 
         def on_step_end(self, args, state, control, **kwargs):
             now, now_cpu = time.perf_counter(), time.process_time()
-            wall, cpu = timers.take()
+            wall, cpu, done = timers.take()
             steps.append({"step": state.global_step, "raw": {"step_s": now - self.last, **wall},
-                          "raw_cpu": {"step_s": now_cpu - self.last_cpu, **cpu}})
+                          "raw_cpu": {"step_s": now_cpu - self.last_cpu, **cpu}, "work": done})
             self.last, self.last_cpu = now, now_cpu
 
     t.add_callback(StepTimer())  # last callback: its on_step_end runs after ARMOR's reference reset
@@ -131,10 +157,12 @@ def _instrument_seam(timers: Timers) -> None:
 
     from armor_trl.integration import trl_seam, vllm_engine
 
-    trl_seam.generate = timers.wrap(trl_seam.generate, "anchor_generate", flag="anchor_gen")
+    after = lambda key: (lambda: key + "_after" if "deferred" in timers.flags else key)  # noqa: E731
+    trl_seam.generate = timers.wrap(trl_seam.generate, None, flag="anchor_gen", key_fn=after("anchor_generate"))
     trl_seam.score_quietly = timers.wrap(trl_seam.score_quietly, "anchor_score")
-    trl_seam.per_token_logps = timers.wrap(trl_seam.per_token_logps, "ref_fwd_armor")
-    vllm_engine.push_to_engine = timers.wrap(vllm_engine.push_to_engine, "ref_push")
+    trl_seam.per_token_logps = timers.wrap(trl_seam.per_token_logps, "ref_fwd_armor",
+                                           rows_fn=lambda args, result: args[2].size(0))  # (trainer, model, input_ids)
+    vllm_engine.push_to_engine = timers.wrap(vllm_engine.push_to_engine, None, key_fn=after("ref_push"))
     # the class attribute, which ARMOR's override reaches through super(); inside trl_seam.generate it is anchors
     GRPOTrainer._generate_single_turn = timers.wrap(
         GRPOTrainer._generate_single_turn, None,
@@ -143,20 +171,24 @@ def _instrument_seam(timers: Timers) -> None:
 
 
 def split(raw: dict) -> dict:
-    """Derived time split (seconds) of one optimizer step from the raw timer totals."""
+    """Derived time split (seconds) of one optimizer step from the raw timer totals. The deferred groups' draw after
+    the refill loop (``deferred_anchors``) is anchor work outside ARMOR's ``_generate_single_turn``: its generate calls
+    and π_ref pushes are timed under ``*_after`` and the rest of it counts as ``anchor_score``."""
     g = raw.get
     single_turn = g("gen_single_turn", 0.0)
     policy = g("policy_generate", 0.0) if "policy_generate" in raw else single_turn
     ref = g("ref_fwd_armor", 0.0) + g("logps_in_gen", 0.0)
-    push_ref = g("ref_push", 0.0)
+    push_ref = g("ref_push", 0.0) + g("ref_push_after", 0.0)
     push_policy = g("weight_sync", 0.0) - push_ref
+    deferred = g("deferred_anchors", 0.0)
     parts = {
         "policy_gen": policy - push_policy,
-        "anchor_gen": g("anchor_generate", 0.0),
-        "anchor_score": single_turn - policy - g("anchor_generate", 0.0) - push_ref,
+        "anchor_gen": g("anchor_generate", 0.0) + g("anchor_generate_after", 0.0),
+        "anchor_score": (single_turn - policy - g("anchor_generate", 0.0) - g("ref_push", 0.0)
+                         + deferred - g("anchor_generate_after", 0.0) - g("ref_push_after", 0.0)),
         "ref_fwd": ref,
         "reward": g("rewards", 0.0),
-        "gen_other": g("gs_total", 0.0) - single_turn - g("rewards", 0.0) - ref,
+        "gen_other": g("gs_total", 0.0) - single_turn - g("rewards", 0.0) - ref - deferred,
         "loss_bwd": g("training_step", 0.0) - g("prepare_inputs", 0.0),
         "push_ref": push_ref,
         "push_policy": push_policy,

@@ -15,7 +15,7 @@ import statistics
 from benchmarks import anchor_work
 from benchmarks.config import BenchConfig
 from benchmarks.instruments import PARTS
-from benchmarks.summary import stats
+from benchmarks.summary import stats, work_per_step, work_table
 
 # phases shown in the regime table (seconds per optimizer step); ref_fwd here also holds the old-policy log-probs
 # that TRL computes during the rollout when M > 1
@@ -65,6 +65,9 @@ def summarize(runs: list, bench: BenchConfig) -> dict:
             "load": stats([max(run["load"]) for run in group if "load" in run] or [math.nan]),
             "repeated_runs": sum(len(run.get("load_attempts", [])) > 1 for run in group),
         }
+        done = work_per_step(group, lambda run: run["warmup_steps"])
+        if done is not None:
+            summary[name][str(m)]["work"] = done
         work = anchor_work.summarize(group, lambda run: run["warmup_steps"])
         if work is not None:
             summary[name][str(m)]["anchor_work"] = work
@@ -140,6 +143,11 @@ def table(regime: dict, bench: BenchConfig) -> list:
                 f"{_ratio_cell(vl)} | {f(v.get('rss'), 3)} | "
                 + " | ".join(f"{e['split_s'][p]:.3f}" for p in TABLE_PARTS) + f" | {f(load)} |"
             )
+    lines += work_table(summary, "Work per optimizer step at each M (same runs; mean over the measured steps, median "
+                        "over repetitions): TRL's generate calls for the policy's rows (one per generation round), "
+                        "generate calls for anchor candidates (lazy: one per wave), candidate rows, groups drawn after "
+                        "the refill loop, and rows of the log-prob passes made while batches are built (π_old's, "
+                        "π_ref's):", m_of=True)
     lines += anchor_work.table(summary, "Anchor candidates per optimizer step at each M (same runs; over the measured "
                                "steps, median over repetitions):", m_of=True)
     lines += anchor_work.targets_table(regime.get("anchor_work_targets") or [])

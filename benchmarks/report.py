@@ -8,6 +8,7 @@ from pathlib import Path
 from benchmarks import anchor_work, regime
 from benchmarks.config import BenchConfig
 from benchmarks.instruments import PARTS
+from benchmarks.summary import work_table
 
 
 def _fmt(value, digits=2, suffix=""):
@@ -128,6 +129,9 @@ def format_report(result: dict, bench: BenchConfig) -> str:
     lines = (
         _header(meta) + _step_table(summary, bench.baseline, bench.lora_baseline) + _pregeneration(meta)
         + _split_table(summary) + _targets_table(meta, result["targets"])
+        + work_table(summary, "Work per optimizer step (mean over the measured steps, median over repetitions): "
+                     "generate calls for the policy's rows and for anchor candidates, candidate rows, groups drawn "
+                     "after the refill loop, rows of the log-prob passes made while batches are built:")
         + anchor_work.table(summary, "Anchor candidates per optimizer step (over the measured steps, median over "
                             f"repetitions; mixed-share knob: {meta.get('mixed_share')}):")
         + anchor_work.targets_table(result.get("anchor_work_targets") or [])

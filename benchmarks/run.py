@@ -17,7 +17,8 @@ METRICS = (
     "armor/dropped_all_correct_frac", "armor/dropped_all_wrong_frac",
 )
 # ArmorGRPOTrainer's running anchor totals (AnchorRollout.counts), recorded at the end of every optimizer step
-COUNTS = ("candidate_rows", "candidates_scored", "anchors_from_candidates", "groups", "eligible_groups", "rounds")
+COUNTS = ("candidate_rows", "candidates_scored", "anchors_from_candidates", "groups", "eligible_groups", "rounds",
+          "deferred_groups", "deferred_calls")
 
 
 def run_variant(task: dict) -> dict:
@@ -31,7 +32,8 @@ def run_variant(task: dict) -> dict:
     variant = task["variant"]
     trainer, build_s = build_trainer(task, variant, task["bench"])
     timers = instruments.Timers()
-    steps = instruments.instrument(trainer, timers, variant.armor)
+    # the seam helpers for every ArmorGRPOTrainer: with dynamic sampling its π_old log-probs pass through them too
+    steps = instruments.instrument(trainer, timers, variant.trainer == "armor_trl")
     counts = _record_anchor_counts(trainer)
     rss_before_train = instruments.rss_mb()
     train_start = time.perf_counter()
@@ -45,7 +47,8 @@ def run_variant(task: dict) -> dict:
         "peak_rss_mb": peak,
         "steps": [
             {"step": s["step"], "step_s": s["raw"]["step_s"], "cpu_s": s["raw_cpu"]["step_s"],
-             "split": instruments.split(s["raw"]), "split_cpu": instruments.split(s["raw_cpu"]), "raw": s["raw"]}
+             "split": instruments.split(s["raw"]), "split_cpu": instruments.split(s["raw_cpu"]), "raw": s["raw"],
+             "work": s["work"]}
             for s in steps
         ],
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

@@ -6,7 +6,7 @@ import statistics
 
 from benchmarks import anchor_work
 from benchmarks.config import BenchConfig
-from benchmarks.instruments import PARTS
+from benchmarks.instruments import PARTS, WORK
 
 # logged metrics averaged over the measured steps in the summary
 SUMMARY_METRICS = (
@@ -88,6 +88,9 @@ def _entry(variant, runs: list, warmup: int) -> dict:
         entry["reset_over_step"] = entry["reset_s"]["median"] / step_median
         entry["reset_kind"] = runs[0]["reset_kind"]
         entry["reset_params"] = runs[0]["reset_params"]
+    done = work_per_step(runs, lambda run: warmup)
+    if done is not None:
+        entry["work"] = done
     work = anchor_work.summarize(runs, lambda run: warmup)
     if work is not None:
         entry["anchor_work"] = work
@@ -165,3 +168,36 @@ def anchor_break_even(summary: dict, pregeneration: dict | None, batch: int, g: 
     return {"bulk_s": pregeneration["seconds"], "online_anchor_s_per_step": online_per_step,
             "online_anchor_s_per_epoch": per_epoch,
             "break_even_epochs": pregeneration["seconds"] / per_epoch if per_epoch else None}
+
+
+def work_per_step(runs: list, warmup_steps_of) -> dict | None:
+    """The generate calls and log-prob rows (instruments.WORK) per optimizer step: each run's mean over its measured
+    steps, median over repetitions (None: runs recorded before the bench counted them)."""
+    per_run = []
+    for run in runs:
+        steps = run["steps"][warmup_steps_of(run):] or run["steps"][-1:]
+        if steps and all("work" in step for step in steps):
+            per_run.append({key: statistics.mean(step["work"][key] for step in steps) for key in WORK})
+    if not per_run:
+        return None
+    return {key: statistics.median(run[key] for run in per_run) for key in WORK}
+
+
+def work_table(entries: dict, title: str, m_of=False) -> list:
+    """Markdown lines: per variant (and M), the generate calls, candidate rows and log-prob rows per optimizer step."""
+    f = lambda v, d=2: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
+    rows = []
+    for name, entry in entries.items():
+        for m, e in (entry.items() if m_of else [(None, entry)]):
+            done, anchors = e.get("work"), e.get("anchor_work") or {}
+            if not done:
+                continue
+            rows.append(f"| {name} | {'' if m is None else m + ' | '}{f(done['policy_calls'])} | "
+                        f"{f(done['anchor_calls'])} | {f(anchors.get('candidate_rows_per_step'), 1)} | "
+                        f"{f(anchors.get('deferred_groups_per_step'))} | {f(done['logp_rows'], 1)} |")
+    if not rows:
+        return []
+    return ["", title, "",
+            "| config | " + ("M | " if m_of else "") + "policy generate calls / opt step | anchor generate calls / opt "
+            "step | candidate rows / opt step | deferred groups / opt step | log-prob rows / opt step |",
+            "|---|" + ("---|" if m_of else "") + "---|---|---|---|---|", *rows]

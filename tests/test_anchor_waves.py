@@ -67,14 +67,19 @@ class FakeGenerator:
         self.digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
         self.letters = tokenizer.convert_tokens_to_ids(list("abcxyz"))
         self.tokenizer = tokenizer
-        self.round, self.drawn, self.reference_rows = -1, {}, 0
+        self.round, self.drawn, self.reference_rows, self.reference_calls = -1, {}, 0, 0
 
     def start_round(self):
         self.round += 1
         self.drawn = {}
 
+    def start_deferred_draw(self):
+        """π_ref's draws after the refill loop count from 0 for each group, as in the round it came from."""
+        self.drawn = {key: j for key, j in self.drawn.items() if not key[0]}
+
     def __call__(self, trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         reference = trainer.reference is not None and trainer.model_wrapped is trainer.reference.model
+        self.reference_calls += reference
         out = []
         for ids in prompt_ids:
             n = int(self.tokenizer.decode(ids, skip_special_tokens=True).split("+")[0])
@@ -99,8 +104,9 @@ def run(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, **fields):
         tiny_model_path, tiny_tokenizer, numbers_dataset(range(40)), tmp_path, reward_funcs=has_digit_reward,
         max_steps=3, dynamic_sampling=True, anchor_same_call=False, anchor_num_samples=K, **fields,
     )
-    generate = trainer.anchor_rollout.generate
+    generate, deferred = trainer.anchor_rollout.generate, trainer.anchor_rollout.deferred_anchors
     trainer.anchor_rollout.generate = lambda *args: fake.start_round() or generate(*args)
+    trainer.anchor_rollout.deferred_anchors = lambda *args: fake.start_deferred_draw() or deferred(*args)
     batches = []
     original = trainer._generate_and_score_completions
 
@@ -159,6 +165,57 @@ def test_kept_groups_anchors_gate_and_loss_equal_the_eager_path(tiny_model_path,
     assert new_fake.reference_rows < paper_fake.reference_rows
     assert new.anchor_rollout.counts["candidate_rows"] == new_fake.reference_rows
     assert paper.anchor_rollout.counts["candidate_rows"] == paper_fake.reference_rows
+
+
+@pytest.mark.parametrize("fields", [
+    dict(anchor_filter="keep"),
+    dict(anchor_filter="keep", dynamic_sampling_keep_unsolved=True),  # unsolved groups still draw in their round
+    dict(anchor_filter="keep", anchors_per_group=2),
+    dict(anchor_filter="keep", anchor_cache=True, ref_reset_steps=2),
+    dict(anchor_filter="keep", per_device_train_batch_size=16),  # 4 groups a round: rounds keep more than needed
+], ids=["keep", "keep_unsolved", "two_anchors", "cache", "wide"])
+@pytest.mark.parametrize("sampling", ["eager", "lazy"])
+def test_deferred_candidates_train_what_the_paper_path_trains_with_one_call_per_batch(
+        tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, fields, sampling):
+    """Groups kept whatever their anchor draw after the refill loop, for the final batch only (anchor_deferred): the
+    kept groups, their anchors, the gate's decisions and the loss are the paper path's, with fewer candidate rows
+    and, where no group's keep decision depends on its anchor, one candidate call per rollout batch."""
+    paper, paper_batches, paper_fake = run(tiny_model_path, tiny_tokenizer, tmp_path / "paper", monkeypatch,
+                                           anchor_sampling="eager", anchor_eligible_only=False, **fields)
+    new, new_batches, fake = run(tiny_model_path, tiny_tokenizer, tmp_path / "deferred", monkeypatch,
+                                 anchor_sampling=sampling, **fields)
+    in_round, _, in_round_fake = run(tiny_model_path, tiny_tokenizer, tmp_path / "in_round", monkeypatch,
+                                     anchor_sampling=sampling, anchor_deferred=False, **fields)
+    anchors_seen = 0
+    for expected, got in zip(paper_batches, new_batches):
+        assert kept_rows(got) == kept_rows(expected)
+        assert got["num_items_in_batch"] == expected["num_items_in_batch"]
+        assert "armor_deferred" not in got
+        anchors_seen += sum(flag for *_, flag in kept_rows(got))
+    assert len(new_batches) == 3 and anchors_seen > 0
+    for key in GATES + ("loss", "grad_norm", "armor/policy_reward_mean"):
+        assert len(logged(paper, key)) == 3 and logged(new, key) == pytest.approx(logged(paper, key), abs=1e-6), key
+    before, after = trainable_state(paper), trainable_state(new)
+    assert all(torch.allclose(before[n], after[n], atol=1e-6) for n in before)
+    counts = new.anchor_rollout.counts
+    assert counts["deferred_groups"] > 0 and counts["deferred_calls"] <= 3  # at most one draw per rollout batch
+    assert counts["candidate_rows"] == fake.reference_rows <= in_round_fake.reference_rows < paper_fake.reference_rows
+    if "per_device_train_batch_size" in fields:  # groups a round kept beyond the batch's need drew nothing
+        assert fake.reference_rows < in_round_fake.reference_rows
+    if not fields.get("dynamic_sampling_keep_unsolved") and not fields.get("anchor_cache"):
+        # nothing draws in a round: one candidate call per rollout batch (lazy: one per wave, up to K)
+        assert counts["eligible_groups"] == 0
+        assert fake.reference_calls == 3 if sampling == "eager" else 3 <= fake.reference_calls <= 3 * K
+        assert in_round_fake.reference_calls > fake.reference_calls
+    assert set(logged(new, "armor/anchor_deferred_frac")) and all(0 < v <= 1 for v in
+                                                                   logged(new, "armor/anchor_deferred_frac"))
+
+
+def test_the_authors_gate_defers_nothing(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
+    # anchor_filter="drop": a mixed group without an anchor is dropped, so every eligible group draws in its round
+    new, _, fake = run(tiny_model_path, tiny_tokenizer, tmp_path / "gate", monkeypatch)
+    assert new.anchor_rollout.counts["deferred_groups"] == 0 and new.anchor_rollout.counts["eligible_groups"] > 0
+    assert logged(new, "armor/anchor_deferred_frac") == []
 
 
 def test_gate_only_with_keep_draws_no_candidate_and_trains_the_same(tiny_model_path, tiny_tokenizer, tmp_path,
@@ -431,3 +488,46 @@ def test_a_process_with_nothing_to_sample_pads_the_others_calls(tiny_model_path,
     else:
         assert anchors == [[20], [21], [22], [23]] and anchor_round.has_anchor.tolist() == [True] * 4
     assert len(anchor_round.candidates_verified) == 0 and math.isnan(anchor_round.best_candidate_reward)
+
+
+@pytest.mark.parametrize("threshold", [2.0, 0.0])  # nothing passes / every candidate passes
+def test_the_draw_after_the_loop_pads_to_the_busiest_process_and_fills_only_its_slots(
+        tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, threshold):
+    # one process of two: its batch holds 4 groups, 2 of them deferred (one beyond the groups that train: a short
+    # batch's filler); the other process has 2 more groups to draw, so this one pads its call with a repeated group
+    from armor_trl.algorithm.loss_rows import KEPT_ROWS
+    from armor_trl.rollout.deferred_anchors import DEFERRED
+    from testing import count_reference_rows
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path, dynamic_sampling=True,
+                           anchor_filter="keep", anchor_reward_threshold=threshold)
+
+    def gather(tensor):
+        other = tensor + 2 if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() == 1 else tensor
+        return torch.cat([tensor, other])
+
+    monkeypatch.setattr(trainer.accelerator, "gather", gather)
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    rows = count_reference_rows(monkeypatch, trainer)
+    prompts = [f"{n}+{n + 1}=" for n in range(4)]
+    prompt_ids = torch.tensor([tiny_tokenizer(p)["input_ids"] for p in prompts]).repeat_interleave(G, dim=0)
+    filler = torch.tensor([[7, 8, 9]] * (4 * G))
+    slot = torch.arange(4 * G) % G == G - 1
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": filler,
+             "completion_mask": (~slot).long().unsqueeze(1).repeat(1, 3), "advantages": torch.zeros(4 * G),
+             "armor_reward": torch.where(slot, torch.nan, 1.0), "armor_correctness": torch.where(slot, torch.nan, 1.0),
+             "armor_is_anchor": torch.zeros(4 * G, dtype=torch.bool), KEPT_ROWS: ~slot,
+             DEFERRED: slot & torch.tensor([True, False, False, True]).repeat_interleave(G)}
+    anchors, placed = trainer.anchor_rollout.deferred_anchors(batch, [{"prompt": p} for p in prompts], 3)
+    assert DEFERRED not in batch
+    assert rows == [(1 + 2) * K]  # one call: the 1 deferred group that trains + 2 padding groups, K candidates each
+    assert anchors.eligible.tolist() == [True, False, False, False] and anchors.after_loop
+    assert trainer.anchor_rollout.counts["deferred_groups"] == 1 and trainer.anchor_rollout.counts["deferred_calls"] == 1
+    assert placed == ([] if threshold > 1 else [G - 1])
+    assert batch["armor_is_anchor"].nonzero().flatten().tolist() == placed
+    assert batch[KEPT_ROWS].tolist() == [not s or r in placed for r, s in enumerate(slot.tolist())]
+    others = [r for r in range(4 * G) if r not in placed]
+    assert (batch["completion_ids"][others, :3] == 7 + torch.arange(3)).all()  # every other row as it was
+    if placed:
+        length = int(batch["completion_mask"][G - 1].sum())
+        assert length > 0 and batch["armor_reward"][G - 1] >= threshold

@@ -21,16 +21,17 @@ from benchmarks import config, instruments  # noqa: E402
 BENCH = [sys.executable, "-m", "benchmarks"]
 CONFIGS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
-    "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible", "armor_dynamic_lazy", "armor_lazy", "armor_same_call",
-    "armor_same_call_lora", "armor_column", "armor_column_lora",
+    "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible", "armor_dynamic_lazy", "armor_dynamic_keep",
+    "armor_dynamic_deferred", "armor_dynamic_deferred_lazy", "armor_lazy", "armor_same_call", "armor_same_call_lora",
+    "armor_column", "armor_column_lora",
 ]
 REGIME_VARIANTS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_column", "armor_same_call", "grpo_b004_lora", "armor_lora",
     "armor_column_lora", "armor_same_call_lora", "armor_lazy", "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible",
-    "armor_dynamic_lazy",
+    "armor_dynamic_lazy", "armor_dynamic_keep", "armor_dynamic_deferred", "armor_dynamic_deferred_lazy",
 ]
 ANCHOR_WORK = ["candidate_rows_per_step", "candidates_scored_per_step", "anchors_per_step", "candidate_rows_per_anchor",
-               "eligible_share", "mixed_share"]
+               "eligible_share", "deferred_groups_per_step", "mixed_share"]
 PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
          "push_policy", "other"]
 
@@ -86,6 +87,32 @@ def test_split_times_the_engines_weight_pushes_on_their_own():
     assert sum(parts.values()) == pytest.approx(1.0)
 
 
+def test_split_counts_the_draw_after_the_refill_loop_as_anchor_work():
+    # issue 45: deferred candidates are drawn in _generate_and_score_completions, outside ARMOR's _generate_single_turn
+    raw = {"step_s": 1.0, "gs_total": 0.8, "gen_single_turn": 0.3, "policy_generate": 0.2, "anchor_generate": 0.05,
+           "deferred_anchors": 0.25, "anchor_generate_after": 0.15, "ref_push_after": 0.02, "weight_sync": 0.02,
+           "rewards": 0.05, "ref_fwd_armor": 0.1, "training_step": 0.15, "prepare_inputs": 0.0}
+    parts = instruments.split(raw)
+    assert parts["anchor_gen"] == pytest.approx(0.2) and parts["push_ref"] == pytest.approx(0.02)
+    assert parts["anchor_score"] == pytest.approx(0.05 + 0.08)  # in the round, and the rest of the draw after it
+    assert parts["gen_other"] == pytest.approx(0.1) and sum(parts.values()) == pytest.approx(1.0)
+
+
+def test_timers_count_rows_of_log_prob_passes_made_not_skipped():
+    timers = instruments.Timers()
+    passes = timers.wrap(lambda model, ids: (None, None, None) if model == "skip" else ("logps", None, None), "logps",
+                         rows_fn=lambda args, result: 0 if result[0] is None else len(args[1]))
+    generate = timers.wrap(lambda ids: ids, "policy_generate")
+    passes("policy", [1, 2, 3])
+    passes("skip", [1, 2, 3, 4])  # a round's π_old pass left to the batch that trains
+    generate([1])
+    generate([2])
+    assert timers.step_rows["logps"] == 3
+    wall, _, done = timers.take()
+    assert done["policy_calls"] == 2 and done["anchor_calls"] == 0 and "logps" in wall
+    assert timers.take()[2]["policy_calls"] == 0  # per step: the next starts from zero
+
+
 def test_bench_smoke_writes_json_and_table(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     proc = subprocess.run(
@@ -136,6 +163,18 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
         assert work["vs_reference"]["reference"] == ("armor_dynamic" if "dynamic" in name else "armor_full"), name
         assert all(regime["summary"][name][m]["anchor_work"]["eligible_share"] is not None for m in ("1", "16"))
     assert summary["armor_dynamic"]["anchor_work"]["eligible_share"] == 1.0  # the paper's path: every group
+    # issue 45: the work per optimizer step; log-probs only for the rows that train (π_old at M = 16, π_ref for ARMOR)
+    rows = 16  # the smoke preset's rows per optimizer step
+    for name, entry in summary.items():
+        assert set(entry["work"]) == {"policy_calls", "anchor_calls", "logp_rows"}, name
+    assert regime["summary"]["grpo_dynamic"]["16"]["work"]["logp_rows"] == rows
+    assert regime["summary"]["armor_dynamic"]["16"]["work"]["logp_rows"] <= 2 * rows
+    assert summary["grpo_dynamic"]["work"]["policy_calls"] >= 1 and summary["grpo_dynamic"]["work"]["anchor_calls"] == 0
+    for name in ("armor_dynamic_deferred", "armor_dynamic_deferred_lazy"):  # keep: nothing draws in its round
+        work = summary[name]["anchor_work"]
+        assert work["eligible_share"] == 0.0 and work["vs_reference"]["reference"] == "armor_dynamic_keep", name
+    assert summary["armor_dynamic_deferred"]["work"]["anchor_calls"] <= 1  # one candidate call per rollout batch
+    assert summary["armor_dynamic_keep"]["anchor_work"]["deferred_groups_per_step"] == 0.0
     assert summary["armor_dynamic"]["anchor_work"]["mixed_share"] is not None
     assert "anchor_work" not in summary["grpo_b004"]
     assert all(t["met"] in (True, False) for t in result["anchor_work_targets"])  # judged: the run's share is 0.5
@@ -190,6 +229,7 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert "| target | measured" in table
     assert "| config | M | s/opt step" in table and "| armor_lora | 16 |" in table
     assert "| config | candidate rows / opt step |" in table and "| config | M | candidate rows / opt step |" in table
+    assert "| config | M | policy generate calls / opt step |" in table
     assert "| target | measured | paired range | met |" in table
 
     # the tables can be rendered again from the saved raw runs, without training

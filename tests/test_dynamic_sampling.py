@@ -9,7 +9,7 @@ import torch
 
 from armor_trl.algorithm.advantages import group_advantages, group_quantile
 from armor_trl.integration.checkpoint import read_state
-from armor_trl.rollout.refill import RefillSampler, concat_rows, take_rows
+from armor_trl.rollout.refill import RefillSampler, concat_rows, put_rows, take_rows
 from testing import StopAt, has_digit_reward, logged, make_trainer, numbers_dataset, scripted, trainable_state
 
 G = 4
@@ -140,15 +140,18 @@ def test_the_armor_gate_drops_mixed_groups_without_an_anchor(tiny_model_path, ti
     assert logged(trainer, "armor/dropped_no_anchor_frac")[0] > 0
 
 
-@pytest.mark.parametrize("sampling", ["eager", "lazy"])
-def test_resume_after_refill_rounds_continues_exactly(tiny_model_path, tiny_tokenizer, tmp_path, sampling):
+@pytest.mark.parametrize("sampling, anchor_filter", [("eager", "drop"), ("lazy", "drop"), ("eager", "keep"),
+                                                     ("lazy", "keep")])  # keep: anchors drawn after the refill loop
+def test_resume_after_refill_rounds_continues_exactly(tiny_model_path, tiny_tokenizer, tmp_path, sampling,
+                                                      anchor_filter):
     common = dict(
         reward_funcs=scripted, max_steps=4, dynamic_sampling=True, save_strategy="steps", save_steps=2,
-        anchor_num_samples=2, anchor_sampling=sampling,
+        anchor_num_samples=2, anchor_sampling=sampling, anchor_filter=anchor_filter,
     )
     dataset = numbers_dataset(range(30))
     straight = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "straight", **common)
     straight.train()
+    assert (straight.anchor_rollout.counts["deferred_groups"] > 0) == (anchor_filter == "keep")
     interrupted = make_trainer(tiny_model_path, tiny_tokenizer, dataset, tmp_path / "cut", **common)
     interrupted.add_callback(StopAt(2))
     interrupted.train()
@@ -226,6 +229,71 @@ def test_concat_rows_repads_prompts_left_and_completions_right():
     joined = concat_rows([one, two], pad_token_id=0)
     assert joined["prompt_ids"].tolist() == [[0, 5, 6], [4, 5, 6]] and joined["prompt_mask"][0].tolist() == [0, 1, 1]
     assert joined["completion_ids"].tolist() == [[7, 0], [7, 8]] and joined["completion_mask"][0].tolist() == [1, 0]
+
+
+def test_put_rows_overwrites_rows_and_widens_the_completion_side():
+    batch = {"prompt_ids": torch.tensor([[5, 6], [0, 6]]), "prompt_mask": torch.tensor([[1, 1], [0, 1]]),
+             "completion_ids": torch.tensor([[7, 8], [9, 0]]), "completion_mask": torch.tensor([[1, 1], [1, 0]]),
+             "old_per_token_logps": torch.tensor([[-1.0, -2.0], [-3.0, 0.0]]), "advantages": torch.tensor([1.0, 2.0]),
+             "num_items_in_batch": torch.tensor(3)}
+    put_rows(batch, [1], {"completion_ids": torch.tensor([[4, 4, 4]]), "completion_mask": torch.tensor([[1, 1, 1]]),
+                          "advantages": torch.tensor([5.0])}, pad_token_id=0)
+    assert batch["completion_ids"].tolist() == [[7, 8, 0], [4, 4, 4]]
+    assert batch["completion_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert batch["old_per_token_logps"].tolist() == [[-1.0, -2.0, 0.0], [-3.0, 0.0, 0.0]]  # widened, row kept
+    assert batch["prompt_ids"].tolist() == [[5, 6], [0, 6]] and batch["advantages"].tolist() == [1.0, 5.0]
+    assert batch["num_items_in_batch"].item() == 3  # not a per-row field: left as it was
+
+
+def logps_rows(monkeypatch, trainer):
+    """Rows of every log-prob forward pass made while generation batches are built (π_old's and π_ref's)."""
+    from trl import GRPOTrainer
+
+    rows, building = [], []
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def counting(self, model, input_ids, *args, **kwargs):
+        if building:
+            rows.append(input_ids.size(0))
+        return original(self, model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counting)
+    generate = trainer._generate_and_score_completions
+
+    def flagged(inputs):
+        building.append(True)
+        try:
+            return generate(inputs)
+        finally:
+            building.pop()
+
+    trainer._generate_and_score_completions = flagged
+    return rows
+
+
+@pytest.mark.parametrize("armor", [False, True])
+def test_log_probs_are_computed_once_for_the_rows_that_train(armor, tiny_model_path, tiny_tokenizer, tmp_path,
+                                                            monkeypatch):
+    # two optimizer steps per rollout batch: TRL needs the old policy's log-probs; ARMOR needs π_ref's too. Refill
+    # rounds generate about three times the batch (a third of the prompts are mixed), but only the batch is scored.
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset(range(30)), tmp_path, reward_funcs=scripted, max_steps=4,
+        dynamic_sampling=True, steps_per_generation=2, anchor_reward_threshold=0.0, anchor_num_samples=2,
+        anchor_same_call=False, **({} if armor else PLAIN),  # (a same-call round would reuse π_old's as π_ref's)
+    )
+    rounds, batches = capture_batches(trainer)
+    rows = logps_rows(monkeypatch, trainer)
+    trainer.train()
+    batch_rows = 2 * 8  # steps_per_generation x per_device_train_batch_size
+    assert len(batches) == 2 and sum(len(prompts) for prompts in rounds) > 2 * batch_rows  # refill happened
+    assert sum(rows) == len(batches) * batch_rows * (2 if armor else 1)  # π_old (and π_ref) once per row that trains
+    for batch in batches:
+        assert batch["old_per_token_logps"].shape == batch["completion_ids"].shape
+        if armor:
+            assert batch["armor_ref_logps"].shape == batch["completion_ids"].shape
+    # the first optimizer step of a rollout batch trains with the weights that made it: its ratio is 1
+    deviation = logged(trainer, "armor/policy_abs_ratio_dev_max")
+    assert deviation[0] < 1e-5 and deviation[2] < 1e-5 and deviation[1] > 1e-5
 
 
 @pytest.mark.parametrize("armor", [False, True])

@@ -22,8 +22,16 @@ def launch(model, out, *extra):
     return _launch(command, out, 2)
 
 
-def test_refill_under_ddp_and_resume(tiny_model_path, tmp_path):
-    straight = launch(tiny_model_path, tmp_path / "straight")
+@pytest.mark.parametrize("anchor_filter", ["drop", "keep"])  # keep: mixed groups draw their anchors after the loop
+def test_refill_under_ddp_and_resume(tiny_model_path, tmp_path, anchor_filter):
+    filter_args = ("--anchor-filter", anchor_filter)
+    straight = launch(tiny_model_path, tmp_path / "straight", *filter_args)
+    deferred = [rank["anchor_counts"].get("deferred_groups", 0) for rank in straight]
+    assert all(deferred) if anchor_filter == "keep" else not any(deferred)
+    # the draw after the loop is collective: every process made it as often, with as many rows
+    calls = [rank["anchor_counts"].get("deferred_calls", 0) for rank in straight]
+    rows = [rank["anchor_counts"].get("candidate_rows", 0) for rank in straight]
+    assert calls[0] == calls[1] and rows[0] == rows[1]
     # same number of generation rounds on both processes (generation and reward gathering are collective)
     assert len(straight[0]["round_prompts"]) == len(straight[1]["round_prompts"]) > 4
     for rank in straight:
@@ -39,7 +47,7 @@ def test_refill_under_ddp_and_resume(tiny_model_path, tmp_path):
     # a run that got as far as step 2: the straight run's checkpoint-2 alone (a launch saved, not a third one spent)
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "straight" / "trainer" / "checkpoint-2", cut / "trainer" / "checkpoint-2")
-    resumed = launch(tiny_model_path, cut, "--resume")
+    resumed = launch(tiny_model_path, cut, "--resume", *filter_args)
     assert resumed[0]["refill_drawn"] == straight[0]["refill_drawn"]
     assert resumed[0]["params"] == straight[0]["params"]
     assert resumed[0]["checksum"] == straight[0]["checksum"]

@@ -188,3 +188,24 @@ def test_a_second_train_resuming_on_the_same_trainer_generates_afresh(tiny_model
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert trainer.state.global_step == 3
     assert len(rounds) == 3  # step 3 of the second call trained on rows generated in that call
+
+
+def run_deferred(tiny_model_path, tiny_tokenizer, dataset, output_dir, stop_at=None, resume=None):
+    """Dynamic sampling whose mixed groups draw their anchors after the refill loop (anchor_filter='keep',
+    anchor_deferred), with resets and the anchor cache."""
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, dataset, output_dir, reward_funcs=has_digit_reward,
+                           ref_reset_steps=2, max_steps=4, save_strategy="steps", save_steps=2, anchor_cache=True,
+                           dynamic_sampling=True, anchor_filter="keep", anchor_same_call=False)
+    if stop_at is not None:
+        trainer.add_callback(StopAt(stop_at))
+    trainer.train(resume_from_checkpoint=resume)
+    assert trainer.anchor_rollout.counts["deferred_groups"] > 0
+    reference = [p.detach().clone() for p in trainer.reference.parameters_of(trainer.unwrapped_policy())]
+    return trainer, reference, {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def test_resume_with_anchors_drawn_after_the_refill_loop_continues_exactly(tiny_model_path, tiny_tokenizer,
+                                                                           prompt_dataset, tmp_path):
+    from testing import check_exact_resume
+
+    check_exact_resume(run_deferred, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)

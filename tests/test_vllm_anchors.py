@@ -176,3 +176,40 @@ def test_lazy_waves_swap_the_engine_once_per_round(tiny_model_path, tiny_tokeniz
     assert engine.generated_with == [("policy@0", 6)] + [("policy@0", 2)] * 3 + [("policy@1", 6)] + \
         [("reference", 2)] * 3
     assert len(pushes) == 3  # policy@0, policy@1, then π_ref once for round 2's three waves
+
+
+def test_deferred_candidates_swap_the_engine_once_per_rollout_batch(tiny_model_path, tiny_tokenizer, tmp_path):
+    # anchor_filter="keep": mixed groups train with or without an anchor, so they draw after the refill loop, for the
+    # batch that trains: one candidate call (one swap of π_ref into the engine) per rollout batch, not one per round
+    from armor_trl.rollout.refill import take_rows
+    from testing import numbers_dataset, scripted
+
+    trainer = make_trainer(
+        tiny_model_path, tiny_tokenizer, numbers_dataset(range(30)), tmp_path, max_steps=3, anchor_num_samples=2,
+        reward_funcs=scripted, dynamic_sampling=True, anchor_same_call=False, anchor_filter="keep",
+        anchor_reward_threshold=0.0,
+    )
+    engine = with_fake_vllm(trainer, tiny_tokenizer)
+    checked = []
+    generate = trainer._generate_and_score_completions
+
+    def checking(inputs):  # right after the batch is built, before any update: π_old is the model as it is now
+        batch = generate(inputs)
+        rows = batch["armor_is_anchor"].nonzero().flatten().tolist()
+        if rows:
+            again = trainer._completion_logps(trainer.model, take_rows(batch, rows))
+            mask = batch["completion_mask"][rows].bool()
+            assert torch.allclose(batch["old_per_token_logps"][rows][mask], again[mask], atol=1e-5)
+            assert (batch["importance_sampling_ratio"][rows] == 1.0).all()
+            checked.append(len(rows))
+        return batch
+
+    trainer._generate_and_score_completions = checking
+    trainer.train()
+    rounds = logged(trainer, "armor/generation_rounds")
+    assert sum(rounds) > 3  # refill happened
+    rollouts = [loaded for loaded, rows in engine.generated_with if rows == 6]
+    candidates = [loaded for loaded, rows in engine.generated_with if rows != 6]
+    assert len(rollouts) == sum(rounds) and all(loaded.startswith("policy@") for loaded in rollouts)
+    assert candidates == ["policy@0", "reference", "reference"]  # one call per batch (step 0: π_ref == π_θ, no swap)
+    assert checked and trainer.anchor_rollout.counts["deferred_calls"] == 3

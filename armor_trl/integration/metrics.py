@@ -48,8 +48,9 @@ class ArmorMetrics:
             anchors.eligible.float())
         searched = looked.sum().item()
         self.log("armor/anchor_found_frac", share((has_anchor * looked).sum().item(), searched))
-        if anchors.eligible is not None:
-            self.log("armor/anchor_eligible_frac", looked.mean().item())
+        if anchors.eligible is not None:  # after the refill loop: the share of the batch's groups that drew then
+            self.log("armor/anchor_deferred_frac" if anchors.after_loop else "armor/anchor_eligible_frac",
+                     looked.mean().item())
         if anchors.candidate_rows is not None:
             generated, scored = trainer.accelerator.reduce(anchors.candidate_rows.float(), reduction="sum").tolist()
             self.log("armor/anchor_candidate_rows", generated)

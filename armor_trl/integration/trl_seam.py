@@ -80,6 +80,10 @@ LOSS_LOGPS_CALLS = 1
 # on, armor_trl.rollout.rollout_func), and _get_per_token_logps_and_entropies takes a VLM batch's image fields by these names
 # (armor_trl.rollout.multimodal passes them for π_ref's log-probs)
 ROLLOUT_FUNC_CALL = "self.rollout_func(prompts, self)"
+# GRPOTrainer._generate_and_score_completions decides with this test whether a round needs the old policy's log-probs
+# (or vLLM's importance-sampling correction does) and keeps them only when its call returned them (round_logps_skipped)
+OLD_LOGPS_TEST = "self.args.gradient_accumulation_steps % generate_every != 0"
+OLD_LOGPS_KEPT = "if old_per_token_logps is not None:"
 LOGPS_IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                       "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -125,6 +129,11 @@ def check_trl_surface() -> list[str]:
     if ROLLOUT_FUNC_CALL not in inspect.getsource(GRPOTrainer._generate):
         problems.append(f"GRPOTrainer._generate no longer calls {ROLLOUT_FUNC_CALL}: ARMOR's rollout_func wrapper "
                         "would not be reached")
+    round_source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    if OLD_LOGPS_TEST not in round_source or OLD_LOGPS_KEPT not in round_source:
+        problems.append("GRPOTrainer._generate_and_score_completions no longer decides on (or keeps) the old policy's "
+                        f"log-probs with {OLD_LOGPS_TEST!r} / {OLD_LOGPS_KEPT!r}: dynamic sampling's deferred "
+                        "log-probs (round_logps_skipped, old_logps_needed) must be checked again")
     logps_params = set(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
     if missing := [name for name in LOGPS_IMAGE_FIELDS if name not in logps_params]:
         problems.append(f"GRPOTrainer._get_per_token_logps_and_entropies lacks the image fields {missing}")
@@ -463,6 +472,14 @@ def score(trainer: GRPOTrainer, inputs: list[dict], prompts: list, completions: 
     return GRPOTrainer._calculate_rewards(trainer, inputs, prompts, completions, completion_ids)
 
 
+def is_truncated(trainer: GRPOTrainer, completion_ids: list[int]) -> bool:
+    """Whether TRL's ``mask_truncated_completions`` masks this completion out of the loss (as it judges a round's
+    rows: on, and the completion does not end in EOS or padding)."""
+    if not trainer.mask_truncated_completions or not completion_ids:
+        return False
+    return completion_ids[-1] not in [*trainer.eos_token_ids, trainer._tokenizer.pad_token_id]
+
+
 def is_conversational_prompt(prompt) -> bool:
     return is_conversational({"prompt": prompt})
 
@@ -497,6 +514,41 @@ def per_token_logps(trainer: GRPOTrainer, model, input_ids, attention_mask, logi
         trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **image_fields
     )
     return logps
+
+
+def vllm_correction(trainer: GRPOTrainer) -> bool:
+    """Whether TRL corrects vLLM's sampling with an importance ratio (it then needs the old policy's log-probs in the
+    round that generated the rows)."""
+    return trainer.use_vllm and trainer.vllm_importance_sampling_correction
+
+
+def old_logps_needed(trainer: GRPOTrainer) -> bool:
+    """Whether TRL computes the old policy's log-probs of a generation batch (``OLD_LOGPS_TEST``): its rows are trained
+    over more than one optimizer step (``steps_per_generation`` × ``num_iterations`` does not divide the gradient
+    accumulation steps), or vLLM's importance-sampling correction reads them."""
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    return trainer.args.gradient_accumulation_steps % generate_every != 0 or vllm_correction(trainer)
+
+
+@contextlib.contextmanager
+def round_logps_skipped(trainer: GRPOTrainer):
+    """Within the block (one call of ``GRPOTrainer._generate_and_score_completions`` with β = 0 and no vLLM
+    importance-sampling correction), TRL's forward pass for the old policy's log-probs is not made: the override of
+    ``_get_per_token_logps_and_entropies`` returns None while :func:`logps_call_skipped` says so, and TRL leaves
+    them out of the round's output (``OLD_LOGPS_KEPT``). The caller computes them for the rows that train."""
+    if trainer.beta != 0.0 or vllm_correction(trainer):
+        raise RuntimeError("round_logps_skipped needs beta=0 and no vLLM importance-sampling correction: TRL reads the "
+                           "skipped log-probs within the round then")
+    trainer._armor_skip_logps = True
+    try:
+        yield
+    finally:
+        trainer._armor_skip_logps = False
+
+
+def logps_call_skipped(trainer: GRPOTrainer) -> bool:
+    """Whether a call of ``_get_per_token_logps_and_entropies`` now is the round's skipped pass (round_logps_skipped)."""
+    return getattr(trainer, "_armor_skip_logps", False)
 
 
 # --- the mixed ratio's path into TRL's loss ---------------------------------------------------------------------------

@@ -10,7 +10,9 @@ extra rows of the policy's own generate call instead of a second call on π_ref 
 
 Which groups get candidates and how they are drawn (``anchor_eligible_only``, ``anchor_sampling``) is
 :mod:`~armor_trl.rollout.anchor_waves`: where a group's fate can be independent of its anchor the on-policy rows are scored
-first and only eligible groups sample; lazy rounds draw in waves.
+first and only eligible groups sample; lazy rounds draw in waves. Under dynamic sampling the eligible groups kept
+whatever their anchor draw after the refill loop, if they train (``anchor_deferred``,
+:mod:`~armor_trl.rollout.deferred_anchors`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from armor_trl.rollout.anchors import (AnchorCache, AnchorRound, anchor_rows, fi
                       verifier_counts)
 from armor_trl.rollout.anchor_waves import (agreed_count, draw_in_waves, filters_groups, picks_needed, round_eligibility,
                                            score_on_policy)
+from armor_trl.rollout.deferred_anchors import DEFERRED, deferred_slots, place_deferred
 from armor_trl.rollout.column_anchors import ColumnAnchors, verify_round
 from armor_trl.algorithm.loss_rows import drop_rows
 from armor_trl.reference.vllm_swap import neutral_sampling_logprobs, reference_in_engine
@@ -79,14 +82,17 @@ class AnchorRollout:
                 [prompt_ids[i] for i in policy_rows(rows, group_size, slots)], group_size - slots
             )
         # scored first where some groups' fate cannot depend on their anchor (they then get no candidates)
-        self.on_policy_scores, eligible = None, None
+        self.on_policy_scores, eligible, deferred = None, None, None
         column = self.column is not None and self.column.active(self.trainer.reference.resets)
         if filters_groups(self.args) and not column:
             self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots,
                                                     self.reward_fields)
-            eligible = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots)
+            eligible, deferred = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots,
+                                                   self.defers_candidates())
         fillers = [on_policy_ids[g * (group_size - slots)] for g in range(len(firsts))]
-        anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs, candidates, eligible=eligible, fillers=fillers)
+        now = eligible if deferred is None else eligible & ~deferred  # the deferred ones' slots hold fillers meanwhile
+        anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs, candidates, eligible=now, fillers=fillers)
+        anchors.deferred = None if deferred is None else deferred.to(anchors.found.device)
         if not slots:  # anchor_gate_only: the anchors decided the gate and are not trained
             return on_policy_ids, on_policy_logprobs, anchors
         logprobs = None
@@ -112,6 +118,20 @@ class AnchorRollout:
             return False
         return trainer.reference.holds_policy_weights() and not dropout_active(trainer.model)
 
+    def defers_candidates(self) -> bool:
+        """Whether this round's groups that are kept whatever their anchor draw their candidates after the refill
+        loop, once per rollout batch and only if they train (``anchor_deferred`` under dynamic sampling; not in a
+        same-call round, whose candidates come with the policy's call, nor for a VLM, whose images are known to their
+        round only)."""
+        return (self.args.anchor_deferred and self.args.dynamic_sampling and self.slots_per_group > 0
+                and not self.same_call_round and not seam.is_vlm(self.trainer))
+
+    def deferred_anchors(self, batch: dict, group_inputs: list[dict], kept: int):
+        """Draw and place the deferred groups' anchors in the batch dynamic sampling built (see
+        :func:`~armor_trl.rollout.deferred_anchors.place_deferred`); returns (their AnchorRound, the rows placed) or
+        None where no process had any to draw."""
+        return place_deferred(self, batch, group_inputs, kept)
+
     def _same_call(self, generate_policy, group_prompt_ids: list, per_group: int):
         """One policy call with ``per_group`` on-policy rows and K candidate rows per group: the on-policy ids (and
         vLLM log-probs) in row order, and {group: its K candidates}. All rows of a group are i.i.d. samples of the
@@ -127,13 +147,15 @@ class AnchorRollout:
         return on_policy, on_policy_logprobs, candidates
 
     def sample(self, group_prompt_ids: list, group_inputs: list[dict], candidates: dict | None = None,
-               eligible: torch.Tensor | None = None, fillers: list | None = None) -> tuple[list, AnchorRound]:
+               eligible: torch.Tensor | None = None, fillers: list | None = None,
+               after_loop: bool = False) -> tuple[list, AnchorRound]:
         """``max(anchor slots, 1)`` anchors per group, group after group: from the cache, the column, or picked from K
         reference candidates per ``anchor_selection`` (``candidates``: {group: its K candidates}, already sampled in
         the policy's call; else sampled here, all K at once or in waves per ``anchor_sampling``). Where no candidate
         is eligible the slot still gets one (so shapes stay fixed) and ``found`` marks it; it is then no member of its
         group. ``eligible`` (groups,): only these groups look for an anchor (None: all); the others' slots hold their
-        ``fillers`` (one on-policy completion of the group each)."""
+        ``fillers`` (one on-policy completion of the group each). ``after_loop``: the deferred groups of a batch,
+        drawn after the refill loop (counted apart from the rounds' groups)."""
         trainer, args = self.trainer, self.args
         device = trainer.accelerator.device
         if self.column is not None and self.column.active(trainer.reference.resets):
@@ -217,8 +239,11 @@ class AnchorRollout:
                                    range(position * k, (position + 1) * k))
         if candidates is not None:  # a same-call round generated K candidates for every group in the policy's call
             generated = k * groups
-        self.counts.update(candidate_rows=generated, candidates_scored=scored, anchors_from_candidates=fresh_anchors,
-                           groups=groups, eligible_groups=sum(looks), rounds=1)
+        self.counts.update(candidate_rows=generated, candidates_scored=scored, anchors_from_candidates=fresh_anchors)
+        if after_loop:
+            self.counts.update(deferred_groups=sum(looks), deferred_calls=1)
+        else:
+            self.counts.update(groups=groups, eligible_groups=sum(looks), rounds=1)
         weighted = (torch.nan_to_num(scores) * trainer.reward_weights.cpu()).sum(dim=2)
         reward = torch.where(found, weighted, torch.full_like(weighted, float("nan")))
         found = found.to(device)
@@ -234,6 +259,7 @@ class AnchorRollout:
             verifier_counts=counts.to(device),
             eligible=None if eligible is None else eligible.to(device),
             candidate_rows=torch.tensor([float(generated), float(scored)], device=device),
+            after_loop=after_loop,
         )
         return [ids for group in anchors for ids in group], anchor_round
 
@@ -363,6 +389,9 @@ class AnchorRollout:
         if "importance_sampling_ratio" in output:  # vLLM correction: anchors were sampled by π_ref, not the engine
             output["importance_sampling_ratio"][self.slot_rows(rows, device)] = 1.0
         drop_rows(self.trainer, output, keep)
+        if anchors.deferred is not None:  # their slots wait, empty, for the anchors drawn after the refill loop
+            output[DEFERRED] = deferred_slots(self.empty_slots(rows, anchors, device), anchors.deferred,
+                                              self.trainer.num_generations)
         return self.anchor_mask(rows, anchors, device)
 
 

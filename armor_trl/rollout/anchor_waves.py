@@ -8,7 +8,8 @@ which changes what trains:
   ``anchor_filter="keep"`` the anchor decides nothing), the round's on-policy rows are scored first
   (:func:`score_on_policy`) and candidates are drawn only for the groups whose fate the anchor can change
   (:func:`eligible_groups`). TRL's scoring of the round then reuses those rewards (:meth:`OnPolicyScores.reuse`):
-  no reward function runs twice on a row.
+  no reward function runs twice on a row. Eligible groups kept whatever their anchor (:func:`deferrable_groups`) can
+  draw after the refill loop instead, if they train (:mod:`~armor_trl.rollout.deferred_anchors`).
 * **Waves** (``anchor_sampling="lazy"``). Rejection sampling keeps the first candidate(s) that pass
   ``anchor_selection``; drawing all K at once spends the rest. :func:`draw_in_waves` draws one candidate per group,
   then one more only for the groups that still need one, up to K in all, with π_ref's weights loaded once for all
@@ -54,6 +55,23 @@ def eligible_groups(correctness: torch.Tensor, args, anchor_slots: int) -> torch
     are all equal (with ``dynamic_sampling_keep_unsolved``: all equal and solved), and with ``anchor_gate_only`` and
     ``anchor_filter="keep"`` without dynamic sampling, every group (the anchor decides nothing).
     """
+    with_anchor, without = _kept_with_and_without(correctness, args)
+    return (with_anchor != without) | (with_anchor & (anchor_slots > 0))
+
+
+def deferrable_groups(correctness: torch.Tensor, args, anchor_slots: int) -> torch.Tensor:
+    """(groups,) bool: the eligible groups whose keep decision does not depend on their anchor: kept with or without
+    one, the anchor only joining the group (its advantages and loss). Under dynamic sampling their candidates can wait
+    until the refill loop knows which groups train (:mod:`~armor_trl.rollout.deferred_anchors`). None under the
+    authors' gate (``anchor_filter="drop"``: a group without an anchor is dropped); with ``anchor_filter="keep"`` the
+    groups with mixed on-policy outcomes (the all-equal unsolved ones that ``dynamic_sampling_keep_unsolved`` keeps
+    only with an anchor are not)."""
+    with_anchor, without = _kept_with_and_without(correctness, args)
+    return with_anchor & without & (anchor_slots > 0)
+
+
+def _kept_with_and_without(correctness: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(groups,) bool twice: whether the keep rule keeps each group with an anchor, and without one."""
     groups = correctness.size(0)
     anchored = torch.ones(groups, dtype=torch.bool, device=correctness.device)
     if args.dynamic_sampling:
@@ -63,8 +81,7 @@ def eligible_groups(correctness: torch.Tensor, args, anchor_slots: int) -> torch
                                       args.dynamic_sampling_keep_unsolved)[0] for has in (anchored, ~anchored)]
     else:  # the gate alone: a group without an anchor is dropped ("drop") or trains as it is ("keep")
         keep = [anchored, anchored if args.anchor_filter == "keep" else ~anchored]
-    with_anchor, without = keep
-    return (with_anchor != without) | (with_anchor & (anchor_slots > 0))
+    return keep[0], keep[1]
 
 
 # --- the on-policy rows, scored first ----------------------------------------------------------------------------------
@@ -125,16 +142,19 @@ def score_on_policy(trainer, inputs: list[dict], prompt_ids: list, on_policy_ids
                           [dict(row) for row in kept_inputs])
 
 
-def round_eligibility(trainer, scores: OnPolicyScores, groups: int, slots: int) -> torch.Tensor:
+def round_eligibility(trainer, scores: OnPolicyScores, groups: int, slots: int,
+                      defers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(groups,) bool: :func:`eligible_groups` of this process's groups, judged by the verifier as dynamic sampling
-    judges them (``anchor_reward_funcs``; all reward functions when None)."""
+    judges them (``anchor_reward_funcs``; all reward functions when None); and, where ``defers``, which of them are
+    :func:`deferrable_groups` (else None)."""
     rank, local = trainer.accelerator.process_index, len(scores.completion_ids)
     rewards = scores.rewards[rank * local : (rank + 1) * local]
     weights, verifier = trainer.reward_weights.to(rewards.device), trainer.verifier_funcs
     if verifier is not None:
         rewards, weights = rewards[:, verifier.to(rewards.device)], weights[verifier.to(rewards.device)]
     correctness = total_rewards(rewards, weights).view(groups, -1).cpu()
-    return eligible_groups(correctness, trainer.args, slots)
+    eligible = eligible_groups(correctness, trainer.args, slots)
+    return eligible, deferrable_groups(correctness, trainer.args, slots) & eligible if defers else None
 
 
 # --- waves ------------------------------------------------------------------------------------------------------------

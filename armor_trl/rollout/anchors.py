@@ -28,7 +28,8 @@ class AnchorRound:
     ``verifier_counts`` what the fresh candidates say about the verifier (:func:`verifier_counts`); ``eligible``
     (groups,) the groups that looked for an anchor, the others' fate not depending on one (None: every group,
     :mod:`~armor_trl.rollout.anchor_waves`); ``candidate_rows`` the candidate rows this process generated (padding for other
-    processes included) and scored this round.
+    processes included) and scored this round; ``deferred`` (groups,) the eligible groups whose candidates wait until
+    the refill loop knows whether they train (None: none waits, :mod:`~armor_trl.rollout.deferred_anchors`).
     """
 
     found: torch.Tensor
@@ -42,6 +43,8 @@ class AnchorRound:
     verifier_counts: torch.Tensor | None = None  # verifier_counts() of the fresh candidates (None: column anchors)
     eligible: torch.Tensor | None = None  # (groups,) the groups that looked for an anchor (None: all of them)
     candidate_rows: torch.Tensor | None = None  # (2,) candidate rows generated and scored by this process this round
+    deferred: torch.Tensor | None = None  # (groups,) the groups that draw after the refill loop (None: none)
+    after_loop: bool = False  # the draw of a batch's deferred groups, after the refill loop (not a round's)
 
 
 def anchor_rows(num_rows: int, num_generations: int, anchors_per_group: int = 1) -> list[int]:

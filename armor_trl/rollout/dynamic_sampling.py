@@ -74,12 +74,15 @@ class DynamicSampling:
         return dynamic_sampling_keep(correctness, on_policy, self.args.anchor_reward_threshold, has_anchor, gate,
                                      self.args.dynamic_sampling_keep_unsolved)
 
-    def batch(self, score_round, inputs: list[dict]) -> dict:
+    def batch(self, score_round, inputs: list[dict], complete=None) -> dict:
         """``score_round(inputs)`` -> (TRL's output with ``armor_reward`` / ``armor_correctness``, the round's
-        anchors or None, anchor slots per group); returns the batch of kept groups with advantages recomputed."""
+        anchors or None, anchor slots per group); returns the batch of kept groups with advantages recomputed.
+        ``complete(batch, group_inputs, kept)``, when given, finishes the batch before its advantages are computed
+        (the deferred anchors): ``group_inputs`` holds each group's input row, the first ``kept`` groups train."""
         trainer, group_size = self.trainer, self.trainer.num_generations
         target, device = len(inputs) // group_size, trainer.accelerator.device
         kept, spare, kept_groups, spare_groups = [], [], 0, 0
+        kept_inputs, spare_inputs = [], []
         counts = torch.zeros(1 + len(DROP_REASONS), device=device)  # groups generated, dropped per reason
         rounds = 0
         while True:
@@ -93,9 +96,11 @@ class DynamicSampling:
             dropped = (~keep).nonzero().flatten().tolist()[: target - spare_groups]
             if take:
                 kept.append(take_rows(output, group_rows(take, group_size)))
+                kept_inputs += [inputs[g * group_size] for g in take]
                 kept_groups += len(take)
             if dropped:
                 spare.append(take_rows(output, group_rows(dropped, group_size)))
+                spare_inputs += [inputs[g * group_size] for g in dropped]
                 spare_groups += len(dropped)
             short = target - kept_groups
             if rounds >= self.args.dynamic_sampling_max_rounds:
@@ -109,6 +114,8 @@ class DynamicSampling:
             filler = concat_rows(spare, seam.pad_token_id(trainer))
             parts = kept + [take_rows(filler, list(range(short * group_size)))]
         batch = concat_rows(parts, seam.pad_token_id(trainer))
+        if complete is not None:
+            complete(batch, kept_inputs + spare_inputs[: max(short, 0)], kept_groups)
         keep = torch.arange(target, device=device) < kept_groups
         batch["advantages"] = advantages_across_processes(trainer, batch["armor_reward"], keep)
         row_keep = keep.repeat_interleave(group_size)

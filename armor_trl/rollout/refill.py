@@ -6,7 +6,8 @@
   a resumed run draws the prompts an uninterrupted run would have drawn.
 * :func:`take_rows` and :func:`concat_rows` cut rows out of the batch dicts that
   ``GRPOTrainer._generate_and_score_completions`` returns and join batches of different padded lengths
-  (prompts are left-padded, completions right-padded, as TRL pads them).
+  (prompts are left-padded, completions right-padded, as TRL pads them); :func:`put_rows` overwrites some rows of
+  such a batch (the deferred anchors, :mod:`~armor_trl.rollout.deferred_anchors`).
 """
 
 from __future__ import annotations
@@ -87,3 +88,25 @@ def concat_rows(batches: list[dict], pad_token_id: int) -> dict:
         joined[key] = torch.cat(parts, dim=0)
     concat_image_rows(batches, joined)  # a VLM batch's image fields replace what the loop made of them
     return joined
+
+
+def put_rows(batch: dict, rows: list[int], values: dict, pad_token_id: int) -> None:
+    """Overwrite ``rows`` of ``batch`` with ``values`` (per-row tensors of some of its keys, one row each, in that
+    order), in place. The completion side (every key but the prompt's whose second dimension is as wide as
+    ``completion_ids``) is widened, right-padded, where the new rows are longer."""
+    size, width = batch["completion_ids"].shape[:2]
+    new_width = max(width, values["completion_ids"].size(1))
+    index = torch.tensor(rows, dtype=torch.long, device=batch["completion_ids"].device)
+    for key, tensor in list(batch.items()):
+        if not (torch.is_tensor(tensor) and tensor.dim() and tensor.size(0) == size):
+            continue
+        aligned = tensor.dim() >= 2 and key not in PROMPT_KEYS and tensor.size(1) == width
+        pad = pad_token_id if key == "completion_ids" else 0
+        if aligned:
+            tensor = _pad_to(tensor, new_width, pad, left=False)
+        if key in values:
+            value = values[key].to(device=tensor.device, dtype=tensor.dtype)
+            if aligned:
+                value = _pad_to(value, new_width, pad, left=False)
+            tensor = tensor.index_copy(0, index.to(tensor.device), value)
+        batch[key] = tensor

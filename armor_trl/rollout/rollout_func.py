@@ -121,6 +121,9 @@ class RolloutFuncAnchors(AnchorRollout):
         extras = self._extras.get(id(completion_ids), {})
         return {key: value for key, value in extras.items() if key != "env_mask"}
 
+    def defers_candidates(self) -> bool:
+        return False  # π_ref's candidates go through the function with their round's prompts and extra fields
+
     def _needs_no_generation(self) -> bool:
         return self.column is not None and self.column.active(self.trainer.reference.resets)
 

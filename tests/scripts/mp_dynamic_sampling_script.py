@@ -46,12 +46,13 @@ def main():
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--anchor-filter", default="drop")  # keep: mixed groups draw their anchors after the loop
     cli = parser.parse_args()
     args = ArmorConfig(
         output_dir=os.path.join(cli.out, "trainer"), per_device_train_batch_size=8, num_generations=4,
         max_completion_length=8, max_steps=4, learning_rate=1e-2, use_cpu=True, ddp_backend="gloo", bf16=False,
         gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="steps", save_steps=2,
-        seed=42, disable_tqdm=True, dynamic_sampling=True, anchor_num_samples=2,
+        seed=42, disable_tqdm=True, dynamic_sampling=True, anchor_num_samples=2, anchor_filter=cli.anchor_filter,
     )
     dataset = Dataset.from_dict({"prompt": [f"{n}+{n + 1}=" for n in range(30)], "answer": [str(2 * n + 1) for n in range(30)]})
     trainer = Recording(
@@ -67,6 +68,7 @@ def main():
         "checksum": float(sum(p.detach().double().abs().sum() for p in policy.parameters())),
         "params": {n: p.detach().flatten()[:64].tolist() for n, p in policy.named_parameters()},
         "refill_drawn": trainer.dynamic_sampling.refill.drawn,
+        "anchor_counts": dict(trainer.anchor_rollout.counts),
         "log_history": trainer.state.log_history,
     }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
