@@ -160,3 +160,44 @@ def test_several_anchors_per_prompt_need_the_cache(tmp_path):
         ArmorConfig(output_dir=str(tmp_path), anchor_cache_per_prompt=2, **cpu_args())
     with pytest.raises(ValueError, match="anchor_cache_per_prompt must be"):
         ArmorConfig(output_dir=str(tmp_path), anchor_cache=True, anchor_cache_per_prompt=0, **cpu_args())
+
+
+def visits_with_a_scripted_reference(trainer, looks_per_round):
+    """Rounds of two groups (prompts "0+1=" and "1+2="), drawn through ``trainer.anchor_rollout.sample`` with π_ref's
+    j-th candidate of a prompt fixed and verified for every j but 1 (so a prompt's first three verified anchors are
+    its draws 0, 2, 3). ``looks_per_round``: per round, which groups are eligible (None: all look, the paper's
+    path). Returns, per round, the anchor ids of the groups that looked."""
+    import torch
+
+    rollout = trainer.anchor_rollout
+
+    def score_candidates(prompt_ids, inputs, k, candidate_ids=None):
+        ids = [[100 + 10 * len(prompt) + j] for prompt in prompt_ids for j in range(k)]
+        return ids, torch.tensor([[0.0 if j == 1 else 1.0] for _ in prompt_ids for j in range(k)])
+
+    rollout._score_candidates = score_candidates
+    prompt_ids = [[5, 6], [5, 6, 7]]
+    anchors = []
+    for looks in looks_per_round:
+        eligible = None if looks is None else torch.tensor(looks)
+        ids, _ = rollout.sample(prompt_ids, [{"prompt": "0+1="}, {"prompt": "1+2="}], eligible=eligible,
+                                fillers=[[1], [2]])
+        anchors.append([ids[g] if looks is None or looks[g] else None for g in range(2)])
+    return anchors
+
+
+def test_eligible_only_rotates_a_prompts_anchors_as_the_paper_path(tiny_model_path, tiny_tokenizer, tmp_path):
+    # a prompt not eligible in some rounds: the paper's path looks anyway (a hit moves the rotation on; the first
+    # visit fills the cache); eligible-only does not look, and its anchors at the visits that look must be the same
+    pattern = [[False, True], [True, True], [True, False], [False, False], [True, True], [False, True], [True, True]]
+    for per_prompt in (2, 3):
+        common = dict(anchor_cache=True, anchor_cache_per_prompt=per_prompt, dynamic_sampling=True, max_steps=1)
+        paper = visits_with_a_scripted_reference(
+            make_trainer(tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path / f"paper{per_prompt}", **common),
+            [None] * len(pattern))
+        eligible_only = visits_with_a_scripted_reference(
+            make_trainer(tiny_model_path, tiny_tokenizer, two_prompts(), tmp_path / f"new{per_prompt}", **common),
+            pattern)
+        for looks, expected, got in zip(pattern, paper, eligible_only):
+            assert got == [anchor if look else None for anchor, look in zip(expected, looks)], per_prompt
+        assert len({tuple(a[0]) for a in paper}) == per_prompt  # the rotation went round all kept anchors

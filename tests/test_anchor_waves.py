@@ -349,6 +349,12 @@ def test_scores_are_not_reused_for_other_rows(tiny_model_path, tiny_tokenizer, t
     assert early.reuse(trainer, ["ab"], [[5, 6]]) is early.rewards
     assert early.reuse(trainer, ["ab"], [[5, 7]]) is None  # other ids: TRL scores them
     assert early.reuse(trainer, ["a b"], [[5, 6]]) is None  # decoded otherwise: TRL scores them
+    # the same completion with other fields (a rollout_func's extra field, a row carried over): TRL scores it
+    fields = anchor_waves.OnPolicyScores([[5, 6]], ["ab"], torch.tensor([[1.0]]), [{"prompt": "p", "env_score": 1.0}])
+    assert fields.reuse(trainer, ["ab"], [[5, 6]], [{"prompt": "p", "env_score": 1.0}]) is fields.rewards
+    assert fields.reuse(trainer, ["ab"], [[5, 6]], [{"prompt": "p", "env_score": 0.0}]) is None
+    assert fields.reuse(trainer, ["ab"], [[5, 6]], [{"prompt": "p"}]) is None
+    assert fields.reuse(trainer, ["ab"], [[5, 6]], [{"prompt": "q", "env_score": 1.0}]) is None
     trainer.anchor_rollout.on_policy_scores = early
     calls = []
     score = trainer.anchor_rollout.reusing_scores(lambda *rows: calls.append(rows) or torch.zeros(1, 1))
@@ -441,6 +447,47 @@ def test_processes_sample_as_many_rows_as_the_busiest_one(tiny_model_path, tiny_
     assert anchors[1] == [9] and anchors[3] == [11, 12]  # left-out groups keep their filler; no anchor anywhere
     assert anchor_round.has_anchor.tolist() == [False] * 4 and anchor_round.eligible.tolist() == eligible.tolist()
     assert len(anchor_round.candidates_verified) == 2 * K  # the local groups' candidates only, padding discarded
+
+
+@pytest.mark.parametrize("sampling", ["eager", "lazy"])
+@pytest.mark.parametrize("idle", ["none_eligible", "all_cache_hits"])
+def test_a_process_with_nothing_to_sample_pads_the_others_calls(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch,
+                                                                sampling, idle):
+    # one process of two (simulated by the gather): this one has no group to sample this round (none eligible, or
+    # every group a cache hit), the other has 2; this one pads every call of the other with a repeated group, keeps
+    # none of those draws, and its anchors are its fillers (ineligible) or its cached anchors
+    from testing import count_reference_rows
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path, dynamic_sampling=True,
+                           anchor_sampling=sampling, anchor_reward_threshold=2.0, anchor_cache=idle == "all_cache_hits")
+    rollout = trainer.anchor_rollout
+
+    def gather(tensor):  # the other process: 2 more groups to sample (counts are integer tensors of one element)
+        other = tensor + 2 if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() == 1 else tensor
+        return torch.cat([tensor, other])
+
+    monkeypatch.setattr(trainer.accelerator, "gather", gather)
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    rows = count_reference_rows(monkeypatch, trainer)
+    prompts = [f"{n}+{n + 1}=" for n in range(4)]
+    prompt_ids = [tiny_tokenizer(p)["input_ids"] for p in prompts]
+    fillers = [[7, 8], [9], [10], [11, 12]]
+    eligible = None
+    if idle == "none_eligible":
+        eligible = torch.tensor([False] * 4)
+    else:
+        rollout.cache.sync(trainer.reference.resets)
+        for g, ids in enumerate(prompt_ids):
+            rollout.cache.put(ids, [20 + g], [3.0])
+    anchors, anchor_round = rollout.sample(prompt_ids, [{"prompt": p} for p in prompts], eligible=eligible,
+                                           fillers=fillers)
+    assert rows == ([2 * K] if sampling == "eager" else [2] * K)  # the other process's calls, padded to its count
+    assert rollout.counts["candidate_rows"] == sum(rows)
+    if idle == "none_eligible":
+        assert anchors == [[7, 8], [9], [10], [11, 12]] and anchor_round.has_anchor.tolist() == [False] * 4
+    else:
+        assert anchors == [[20], [21], [22], [23]] and anchor_round.has_anchor.tolist() == [True] * 4
+    assert len(anchor_round.candidates_verified) == 0 and math.isnan(anchor_round.best_candidate_reward)
 
 
 @pytest.mark.parametrize("threshold", [2.0, 0.0])  # nothing passes / every candidate passes

@@ -308,3 +308,30 @@ def test_a_run_resumed_into_another_output_dir_rolls_back_to_the_checkpoint_it_r
     assert fired["best_checkpoint"] == str(tmp_path / "first" / "checkpoint-2")
     best = load_file(str(tmp_path / "first" / "checkpoint-2" / "model.safetensors"))
     assert max(((best[n] - snapshot.at[5][n]).abs().max().item() for n in best)) == 0.0  # step 6 starts from it
+
+
+def test_a_moved_run_folder_rolls_back_to_the_checkpoint_in_its_new_place(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    import shutil
+
+    from testing import StopAt
+
+    # validations 1-4 (best at step 2) written in run1/; the folder is then moved to run2/ and resumed there
+    saving = dict(save_strategy="steps", save_steps=1, max_steps=6, use_anchors=False, use_mixed_ratio=False)
+    first = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "run1", action="rollback", **saving)
+    first.add_callback(StopAt(4))
+    first.train()
+    shutil.move(str(tmp_path / "run1"), str(tmp_path / "run2"))
+    resumed = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "run2", action="rollback", **saving)
+    snapshot = Snapshot(resumed)
+    resumed.add_callback(snapshot)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run2" / "checkpoint-4"))
+    fired = resumed.collapse_guard.fired
+    assert (fired["step"], fired["best_step"]) == (5, 2)
+    assert fired["best_checkpoint"] == str(tmp_path / "run2" / "checkpoint-2")
+    best = load_file(str(tmp_path / "run2" / "checkpoint-2" / "model.safetensors"))
+    assert max(((best[n] - snapshot.at[5][n]).abs().max().item() for n in best)) == 0.0  # step 6 starts from it
+    # the history the checkpoints hold is relative to the run folder they were written in
+    history = read_state(str(tmp_path / "run2" / "checkpoint-5"))["parts"]["collapse_guard"]
+    assert history["checkpoints"] == [f"checkpoint-{step}" for step in range(1, 6)]

@@ -98,11 +98,18 @@ def test_trl_grpos_reward_model_flag_is_refused_with_the_reason(recipe, capsys):
     assert "a `trl grpo` field that armor-trl train does not take" in capsys.readouterr().err
 
 
-def _python(code: str, **env) -> subprocess.CompletedProcess:
+def _python(code: str, preexec_fn=None, **env) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                    **env}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                          env=environment, cwd=REPO)
+                          env=environment, cwd=REPO, preexec_fn=preexec_fn)
+
+
+def _as_a_background_job():
+    """What a shell does to a job started with ``&`` (or nohup): SIGINT ignored, which the child inherits."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def test_deepspeeds_cpu_accelerator_notice_is_silenced():
@@ -120,11 +127,16 @@ def test_deepspeeds_cpu_accelerator_notice_is_silenced():
     assert "another DeepSpeed warning" in printed  # only that notice is dropped
 
 
-def test_verifier_workers_stay_quiet_on_an_interrupt_and_the_pool_recovers():
-    run = _python("""
+@pytest.mark.parametrize("started", ["foreground", "background"])
+def test_verifier_workers_stay_quiet_on_an_interrupt_and_the_pool_recovers(started):
+    # the suite itself may run as a background job (make test &): the child must not depend on the shell it came from
+    run = _python(preexec_fn=_as_a_background_job if started == "background" else None, code="""
         import os, signal, threading, time
         from armor_trl.rewards import VerifierPool
 
+        # a process started from a background job (make test &, nohup) inherits SIGINT ignored, and Python then
+        # installs no KeyboardInterrupt handler: this process is the interactive one the test plays, so it sets it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         pool = VerifierPool(workers=1, timeout=30.0)
         assert pool.run([("\\\\boxed{2}", "2", "auto")]) == [1.0]
         worker = pool.workers[0].process

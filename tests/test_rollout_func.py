@@ -211,3 +211,63 @@ def run(tiny_model_path, tiny_tokenizer, dataset, output_dir, stop_at=None, resu
 
 def test_resume_with_a_rollout_func_continues_the_run_exactly(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     check_exact_resume(run, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
+
+
+# --- dynamic sampling: on-policy rows scored before the candidates (anchor_eligible_only) --------------------------
+def env_score_rollout(tokenizer):
+    """A rollout_func whose environment scores each row itself (an extra field, as an environment's reward is
+    returned), and one extra field a reward function never asks for."""
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+        completion_ids = generate_completions(trainer, prompt_ids)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None,
+                "env_score": [float(any(ch.isdigit() for ch in text)) for text in texts],
+                "env_text": texts}
+
+    return rollout_func
+
+
+def env_score_reward(seen):
+    """The environment's score, read from the extra field it requires (no default: a missing field is a crash)."""
+
+    def env_reward(completions, env_score, env_text, **kwargs):
+        seen.append([(text, score, completion if isinstance(completion, str) else completion[0]["content"])
+                     for text, score, completion in zip(env_text, env_score, completions)])
+        return env_score
+
+    return env_reward
+
+
+@pytest.mark.parametrize("sampling", ["eager", "lazy"])
+def test_on_policy_rows_scored_before_the_candidates_see_the_rollout_funcs_extra_fields(
+        tiny_model_path, tiny_tokenizer, tmp_path, sampling):
+    # Eligible-only scores the on-policy rows inside generation, before TRL copies the rollout_func's extra fields into
+    # the inputs: each row must be scored with its own fields, and TRL's scoring reuses those rewards (no second run)
+    from testing import numbers_dataset
+
+    runs = {}
+    for eligible_only in (False, True):
+        seen = []
+        trainer = armor_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(32)),
+                                tmp_path / str(eligible_only), env_score_rollout(tiny_tokenizer),
+                                reward_funcs=env_score_reward(seen), max_steps=2, dynamic_sampling=True,
+                                anchor_reward_threshold=1.0, anchor_eligible_only=eligible_only,
+                                anchor_sampling=sampling, anchor_fail_after_rounds=0, seed=3)
+        rewards = []
+        original = trainer._calculate_rewards
+        trainer._calculate_rewards = lambda *a: rewards.append(original(*a).clone()) or rewards[-1]
+        trainer.train()
+        for call in seen:  # every row the reward function saw carried its own row's field
+            assert all(text is not None and text == completion for text, _, completion in call)
+        runs[eligible_only] = (rewards, trainer, sum(len(call) for call in seen))
+    (paper, _, _), (eligible, trainer, calls) = runs[False], runs[True]
+    # the first round's on-policy rows (the same draws on both paths, before the candidates' draws part the random
+    # streams) get the same rewards: the environment's scores, none missing
+    policy = [row for row in range(8) if row not in anchor_rows(8, 4)]
+    assert eligible[0][policy].tolist() == paper[0][policy].tolist()
+    assert not eligible[0][policy].isnan().any()
+    assert not any(v == 1.0 for v in logged(trainer, "armor/dropped_all_wrong_frac"))
+    counts = trainer.anchor_rollout.counts  # scored once: TRL's scoring reused the early scores of the on-policy rows
+    assert calls == counts["rounds"] * 2 * 3 + counts["candidates_scored"]

@@ -292,11 +292,14 @@ def test_loading_the_best_model_at_the_end_marks_the_vllm_engine_stale(tiny_mode
     assert seam.engine_step(trainer) == -1  # TRL pushes the (best) weights before its next generation
 
 
-@pytest.mark.parametrize("change", ["load_state_dict", "replace_parameter"])
+@pytest.mark.parametrize("change", ["load_state_dict", "replace_parameter", "data_write", "vector_to_parameters"])
 def test_weights_changed_outside_the_trainer_between_train_calls_end_same_call_rounds(
         change, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     # π_ref is reset after every step, so after train() it holds the policy's weights; weights then loaded into the
-    # policy (load_state_dict, load_adapter, a parameter replaced) bump no version of the trainer's
+    # policy (load_state_dict, load_adapter, a parameter replaced, a write through .data, which moves no in-place
+    # version counter, torch's vector_to_parameters) bump no version of the trainer's
+    from testing import logged
+
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1,
                            ref_reset_every_step_until=10)
     trainer.train()
@@ -305,9 +308,30 @@ def test_weights_changed_outside_the_trainer_between_train_calls_end_same_call_r
     name, param = next((n, p) for n, p in policy.named_parameters() if "layers.0." in n)  # (not the tied embedding)
     if change == "load_state_dict":
         policy.load_state_dict({name: param.detach() + 0.5}, strict=False)
-    else:
+    elif change == "replace_parameter":
         module_name, _, attribute = name.rpartition(".")
         setattr(policy.get_submodule(module_name), attribute, torch.nn.Parameter(param.detach() + 0.5))
+    elif change == "data_write":
+        param.data.add_(0.5)
+    else:
+        vector = torch.nn.utils.parameters_to_vector(policy.parameters())
+        torch.nn.utils.vector_to_parameters(vector + 0.5, policy.parameters())
     assert not reference.holds_policy_weights()  # the next round's anchors come from π_ref itself
+    if change in ("data_write", "vector_to_parameters"):  # and the next train() call's first round is not same-call
+        trainer.train()
+        assert logged(trainer, "armor/anchor_same_call")[-1] == 0.0
+        return
     reference.reset(policy, trainer.state.global_step)
     assert reference.holds_policy_weights()
+
+
+def test_after_an_unchanged_first_call_the_next_round_is_same_call(tiny_model_path, tiny_tokenizer, prompt_dataset,
+                                                                    tmp_path):
+    # the counterpart of the test above: with the policy's weights left alone the second call samples in one call
+    from testing import logged
+
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=1,
+                           ref_reset_every_step_until=10)
+    trainer.train()
+    trainer.train()
+    assert logged(trainer, "armor/anchor_same_call") == [1.0]  # (log_history: this call's)

@@ -70,23 +70,47 @@ class CollapseGuard(TrainerCallback):
         self.rewards: list[float | None] = []
         self.rewards_since: list[float] = []  # training rewards logged since the last validation
         self.fired: dict | None = None  # the event, once it happened
+        self._written_into = self._read_from = None  # the run folder of the checkpoint being written / read
         trainer.add_callback(self)
 
     # --- state ---------------------------------------------------------------------------------------------------
     STATE_FIELDS = ("metric", "steps", "checkpoints", "scores", "rewards", "rewards_since", "fired")
 
     def state_dict(self) -> dict:
-        return {key: getattr(self, key) for key in self.STATE_FIELDS}
+        """The history, its checkpoint folders relative to the run folder the state is written into (so that a run
+        folder moved as a whole still finds them; one of an earlier run resumed from elsewhere is "../other/...")."""
+        state = {key: getattr(self, key) for key in self.STATE_FIELDS}
+        base = self._written_into
+        if base is not None:
+            state["checkpoints"] = [os.path.relpath(path, base) for path in self.checkpoints]
+            if self.fired is not None and self.fired.get("best_checkpoint"):
+                state["fired"] = {**self.fired, "best_checkpoint": os.path.relpath(self.fired["best_checkpoint"], base)}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for key in self.STATE_FIELDS:  # known fields only: a checkpoint cannot set anything else on the guard
             if key in state:
                 setattr(self, key, state[key])
         if "checkpoints" not in state:  # written before the guard kept its checkpoints' folders: the run's own folder
-            self.checkpoints = [self.checkpoint_of(step) for step in self.steps]
+            self.checkpoints = [os.path.abspath(self.checkpoint_of(step)) for step in self.steps]
+        # relative folders are the run folder's the state was read from (absolute ones, written before, stay)
+        base = self._read_from or os.path.abspath(self.trainer.args.output_dir)
+        self.checkpoints = [os.path.normpath(os.path.join(base, path)) for path in self.checkpoints]
+        if self.fired is not None and self.fired.get("best_checkpoint"):
+            self.fired = {**self.fired, "best_checkpoint": os.path.normpath(os.path.join(base,
+                                                                                         self.fired["best_checkpoint"]))}
+        self._read_from = None
 
     def register(self, armor_state) -> None:
-        armor_state.register("collapse_guard", self.state_dict, self.load_state_dict)
+        armor_state.register("collapse_guard", self.state_dict, self.load_state_dict,
+                             save_files=self._saving_into, load_files=self._loading_from)
+
+    # (the checkpoint folder's parent is the run folder; both hooks run just before state_dict / load_state_dict)
+    def _saving_into(self, directory: str, write: bool) -> None:
+        self._written_into = os.path.dirname(os.path.abspath(directory))
+
+    def _loading_from(self, directory: str) -> None:
+        self._read_from = os.path.dirname(os.path.abspath(directory))
 
     def checkpoint_of(self, step: int) -> str:
         return seam.checkpoint_dir(self.trainer, step)

@@ -251,12 +251,23 @@ class ReferencePolicy:
 
     def holds_policy_weights(self) -> bool:
         """True when π_ref holds exactly the policy's current weights: it copied them and they have not changed since,
-        neither by the trainer (versions) nor in place or by replacement outside it (the parameters' record)."""
+        neither by the trainer (versions) nor outside it between train() calls (the parameters' record, then their
+        values: a write through ``.data``, as ``vector_to_parameters`` makes, moves no version counter)."""
         if self.copied_version is None or self.copied_version != self.policy_version:
             return False
         if self.training or self.copied_weights is None or self.policy_getter is None:
             return True
-        return self._weights_record(self.policy_getter()) == self.copied_weights
+        policy = self.policy_getter()
+        return self._weights_record(policy) == self.copied_weights and self._same_values(policy)
+
+    def _same_values(self, policy: nn.Module) -> bool:
+        """Whether every parameter π_ref and the policy share is equal, value for value (one pass over them, made
+        only between train() calls)."""
+        for ref, own in self._pairs(policy):
+            with _gathered([ref, own]):
+                if not torch.equal(ref.data, own.data.to(ref.device)):
+                    return False
+        return True
 
     @contextlib.contextmanager
     def training_call(self):

@@ -26,7 +26,8 @@ from armor_trl.integration import trl_seam as seam
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import (AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask,
                       verifier_counts)
-from armor_trl.rollout.anchor_waves import draw_in_waves, filters_groups, picks_needed, round_eligibility, score_on_policy
+from armor_trl.rollout.anchor_waves import (agreed_count, draw_in_waves, filters_groups, picks_needed, round_eligibility,
+                                           score_on_policy)
 from armor_trl.rollout.deferred_anchors import DEFERRED, deferred_slots, place_deferred
 from armor_trl.rollout.column_anchors import ColumnAnchors, verify_round
 from armor_trl.algorithm.loss_rows import drop_rows
@@ -84,7 +85,8 @@ class AnchorRollout:
         self.on_policy_scores, eligible, deferred = None, None, None
         column = self.column is not None and self.column.active(self.trainer.reference.resets)
         if filters_groups(self.args) and not column:
-            self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots)
+            self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots,
+                                                    self.reward_fields)
             eligible, deferred = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots,
                                                    self.defers_candidates())
         fillers = [on_policy_ids[g * (group_size - slots)] for g in range(len(firsts))]
@@ -97,6 +99,11 @@ class AnchorRollout:
         if on_policy_logprobs is not None:  # vLLM: anchors are never importance-corrected (their ratio is set to 1)
             logprobs = fill_groups(on_policy_logprobs, neutral_sampling_logprobs(anchor_ids), group_size, slots)
         return fill_groups(on_policy_ids, anchor_ids, group_size, slots), logprobs, anchors
+
+    def reward_fields(self, completion_ids: list) -> dict:
+        """The fields TRL adds to this completion's input row before its reward functions run (none on TRL's own
+        generation paths; a rollout_func's extra fields: :class:`~armor_trl.rollout.rollout_func.RolloutFuncAnchors`)."""
+        return {}
 
     def same_call_applies(self) -> bool:
         """Whether this round's K candidates per group can be extra rows of the policy's generate call: π_ref holds
@@ -158,7 +165,10 @@ class AnchorRollout:
         cached, known_failures = [None] * groups, [None] * groups
         if self.cache is not None:
             self.cache.sync(trainer.reference.resets)
-            cached = [self.cache.get(ids) if look else None for ids, look in zip(group_prompt_ids, looks)]
+            # in group order, as the paper's path visits them: a group that does not look still moves the cache's
+            # rotation and counts its visit (AnchorCache.visit_unlooked), so its later anchors are the paper's path's
+            cached = [self.cache.get(ids) if look else self.cache.visit_unlooked(ids)
+                      for ids, look in zip(group_prompt_ids, looks)]
             if args.anchor_cache_failures:
                 known_failures = [
                     None if hit is not None or not look else self.cache.known_failure(ids, args.anchor_failure_retry_every)
@@ -169,7 +179,7 @@ class AnchorRollout:
         # the same number of groups. Spare places retry remembered failures, then repeat a group (discarded).
         rounds = len(to_sample)
         if self.cache is not None or eligible is not None:
-            rounds = int(trainer.accelerator.gather(torch.tensor([rounds], device=device)).max())
+            rounds = agreed_count(trainer, rounds)
         retried = [g for g in range(groups) if known_failures[g] is not None][: max(rounds - len(to_sample), 0)]
         used = to_sample + retried
         sampled = used + [used[0] if used else 0] * (rounds - len(used))
@@ -208,7 +218,10 @@ class AnchorRollout:
             fresh = drawn.to(rewards.device)  # this round's drawn candidates of the groups used
             verified_frac = verified[: len(used) * k][fresh].float()
             totals = (torch.nan_to_num(rewards) * weights).sum(dim=1)
-            best_candidate = (totals if args.anchor_sampling == "eager" else totals[: len(used) * k][fresh]).max().item()
+            # over this process's drawn candidates only: padding draws for another process's calls are discarded,
+            # and a process may have drawn none of its own (all its groups ineligible or cache hits)
+            own = totals[: len(used) * k][fresh]
+            best_candidate = own.max().item() if own.numel() else math.nan
             # (lazy waves leave undrawn candidates as None: only this round's drawn ones are decoded)
             drawn_ids = [ids for ids, taken in zip(candidate_ids[: len(used) * k], drawn.tolist()) if taken]
             empty = torch.tensor([not text.strip() for text in seam.decode(trainer, drawn_ids, False)], dtype=torch.bool)
@@ -281,8 +294,11 @@ class AnchorRollout:
         fresh = [i for i in span if verified[i]][: self.args.anchor_cache_per_prompt]
         for i in fresh:
             self.cache.put(prompt_ids, candidate_ids[i], rewards[i].tolist())
-        kept = None if fresh else self.cache.get(prompt_ids, partial=True)
-        if kept is not None:  # no verified candidate now, but the prompt has a kept anchor
+        # filled now, after visits at which the group did not look: the anchor the paper's path's rotation is at
+        # (first_fill forgets those visits either way)
+        filled = self.cache.first_fill(prompt_ids)
+        kept = filled if fresh else self.cache.get(prompt_ids, partial=True)
+        if kept is not None:  # (or: no verified candidate now, but the prompt has a kept anchor)
             anchors[g][0], scores[g, 0], found[g, 0] = kept[0], torch.tensor(kept[1]), True
         elif not fresh and self.args.anchor_cache_failures:
             self.cache.put_failure(prompt_ids, anchors[g][0])
@@ -315,7 +331,7 @@ class AnchorRollout:
             return score
 
         def scored_once(inputs, prompts, completions, completion_ids):
-            reused = early.reuse(self.trainer, completions, completion_ids)
+            reused = early.reuse(self.trainer, completions, completion_ids, inputs)
             return reused if reused is not None else score(inputs, prompts, completions, completion_ids)
 
         return scored_once

@@ -92,28 +92,54 @@ class OnPolicyScores:
     completion_ids: list  # local on-policy rows, in row order
     completions: list  # decoded as TRL decodes them for the reward functions
     rewards: torch.Tensor  # (all processes' on-policy rows, reward functions), as TRL's _calculate_rewards returns
+    inputs: list | None = None  # the input rows (fields) the reward functions were given, copied; None: not compared
 
-    def reuse(self, trainer, completions: list, completion_ids: list) -> torch.Tensor | None:
-        """The stored rewards when TRL asks to score exactly these rows (all processes must agree), else None."""
+    def reuse(self, trainer, completions: list, completion_ids: list, inputs: list | None = None) -> torch.Tensor | None:
+        """The stored rewards when TRL asks to score exactly these rows with the same fields (all processes must
+        agree), else None."""
         same = [list(ids) for ids in completion_ids] == self.completion_ids and completions == self.completions
+        if same and self.inputs is not None and inputs is not None:
+            # a reward function reads the row's fields too (a rollout_func's extra fields among them)
+            same = len(inputs) == len(self.inputs) and all(map(same_fields, inputs, self.inputs))
         flag = torch.tensor([float(same)], device=trainer.accelerator.device)
         if trainer.accelerator.num_processes > 1:
             flag = trainer.accelerator.gather(flag).min().view(1)
         return self.rewards if flag.item() == 1.0 else None
 
 
+def same_fields(row: dict, other: dict) -> bool:
+    """Whether two input rows hand the reward functions the same fields (values compared by identity first: an image
+    or a tensor need not support ``==``)."""
+    if row.keys() != other.keys():
+        return False
+    for key, value in row.items():
+        if value is other[key]:
+            continue
+        try:
+            if not bool(value == other[key]):
+                return False
+        except (TypeError, ValueError, RuntimeError):  # not comparable as a whole (an array, a tensor): other rows
+            return False
+    return True
+
+
 def score_on_policy(trainer, inputs: list[dict], prompt_ids: list, on_policy_ids: list, group_size: int,
-                    slots: int) -> OnPolicyScores:
+                    slots: int, row_fields=None) -> OnPolicyScores:
     """Score a round's on-policy rows with TRL's own scoring (``GRPOTrainer._calculate_rewards``: reward functions,
-    their logged metrics and completion columns, the gather over processes), as TRL would score them later."""
+    their logged metrics and completion columns, the gather over processes), as TRL would score them later.
+    ``row_fields(completion_ids)``: the fields TRL adds to a row's inputs before it scores them (a rollout_func's
+    extra fields), which this early scoring must hand the reward functions too."""
     rows = len(inputs)
     keep = policy_rows(rows, group_size, slots)
-    kept_inputs = [inputs[i] for i in keep]
+    kept_inputs = [dict(inputs[i]) for i in keep]
+    if row_fields is not None:
+        kept_inputs = [{**row, **row_fields(ids)} for row, ids in zip(kept_inputs, on_policy_ids)]
     prompts = [row["prompt"] for row in kept_inputs]
     completions = seam.decode_for_rewards(trainer, [prompt_ids[i] for i in keep], on_policy_ids, prompts)
     with seam.completion_columns_spread(trainer, keep, rows):
         rewards = seam.score(trainer, kept_inputs, prompts, completions, on_policy_ids)
-    return OnPolicyScores([list(ids) for ids in on_policy_ids], completions, rewards)
+    return OnPolicyScores([list(ids) for ids in on_policy_ids], completions, rewards,
+                          [dict(row) for row in kept_inputs])
 
 
 def round_eligibility(trainer, scores: OnPolicyScores, groups: int, slots: int,

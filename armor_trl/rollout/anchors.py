@@ -175,6 +175,9 @@ class AnchorCache:
         self._entries: "OrderedDict[tuple, list[tuple[list[int], list[float]]]]" = OrderedDict()  # oldest anchor first
         self._turns: dict[tuple, int] = {}  # prompt -> anchors handed out (the rotation's position)
         self._failures: "OrderedDict[tuple, list]" = OrderedDict()  # prompt -> [filler completion, visits skipped]
+        # prompt -> visits at which its group did not look (anchor_eligible_only) before the prompt had an entry:
+        # the paper's path would have drawn and filled the cache at the first of them
+        self._unlooked: "OrderedDict[tuple, int]" = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -185,6 +188,7 @@ class AnchorCache:
             self._entries.clear()
             self._turns.clear()
             self._failures.clear()
+            self._unlooked.clear()
             self.reference_version = reference_version
 
     def get(self, prompt_ids, partial: bool = False) -> tuple[list[int], list[float]] | None:
@@ -211,6 +215,38 @@ class AnchorCache:
         while len(self._entries) > self.max_entries:
             self._turns.pop(self._entries.popitem(last=False)[0], None)
 
+    def visit_unlooked(self, prompt_ids) -> None:
+        """A visit of the prompt at which its group does not look for an anchor (``anchor_eligible_only``): what the
+        paper's path, which looks in every group, does to the cache there, without drawing. A full entry is a hit
+        there: its rotation moves on. A partial entry is drawn for again there and keeps what it holds. A prompt
+        without an entry is drawn for there: the visit is counted, and :meth:`first_fill` starts the rotation where
+        the paper's path, filled at the first such visit, would be. (A remembered failure is left as it is: docs/
+        algorithm.md, "Which groups get candidates".)"""
+        key = tuple(prompt_ids)
+        anchors = self._entries.get(key)
+        if anchors and len(anchors) >= self.per_prompt:
+            self.get(prompt_ids)
+        elif anchors:
+            self._entries.move_to_end(key)
+        elif key not in self._failures:
+            self._unlooked[key] = self._unlooked.pop(key, 0) + 1
+            while len(self._unlooked) > self.max_entries:
+                self._unlooked.popitem(last=False)
+
+    def first_fill(self, prompt_ids) -> tuple[list[int], list[float]] | None:
+        """Right after the prompt's verified anchors were put: the anchor the paper's path hands out at this visit
+        when it filled the entry at an earlier visit at which this group did not look (:meth:`visit_unlooked`), with
+        the rotation moved on as there; None when there was no such visit or the entry is not full (the paper's path
+        then draws again at every visit and picks the first verified candidate, as here)."""
+        key = tuple(prompt_ids)
+        unlooked = self._unlooked.pop(key, 0)
+        anchors = self._entries.get(key)
+        if not unlooked or not anchors or len(anchors) < self.per_prompt:
+            return None
+        # the paper's path: filled at the first unlooked visit (no turn), a hit at each later one and at this one
+        self._turns[key] = unlooked - 1
+        return self.get(prompt_ids)
+
     def known_failure(self, prompt_ids, retry_every: int) -> list[int] | None:
         """The filler completion of a remembered failure to skip now, or None (unknown, or due for a retry)."""
         key = tuple(prompt_ids)
@@ -234,9 +270,13 @@ class AnchorCache:
         entries = [[list(k), ids, reward] for k, anchors in self._entries.items() for ids, reward in anchors]
         failures = [[list(k), filler, skipped] for k, (filler, skipped) in self._failures.items()]
         turns = [[list(k), turn] for k, turn in self._turns.items()]
-        return {"reference_version": self.reference_version, "entries": entries, "failures": failures, "turns": turns}
+        unlooked = [[list(k), visits] for k, visits in self._unlooked.items()]
+        return {"reference_version": self.reference_version, "entries": entries, "failures": failures, "turns": turns,
+                "unlooked": unlooked}
 
     def load_state_dict(self, state: dict) -> None:
+        from collections import OrderedDict
+
         self._entries.clear()
         self._failures.clear()
         self.reference_version = state["reference_version"]
@@ -246,3 +286,4 @@ class AnchorCache:
         for key, filler, skipped in state.get("failures", []):
             self._failures[tuple(key)] = [filler, skipped]
         self._turns = {tuple(key): turn for key, turn in state.get("turns", [])}
+        self._unlooked = OrderedDict((tuple(key), visits) for key, visits in state.get("unlooked", []))

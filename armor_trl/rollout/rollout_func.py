@@ -115,6 +115,12 @@ class RolloutFuncAnchors(AnchorRollout):
             return extras[key]
         return [1] * len(completion_ids) if key == "env_mask" else None
 
+    def reward_fields(self, completion_ids: list) -> dict:
+        """The extra fields TRL merges into this row's inputs for its reward functions: those of the call that made
+        it, but ``env_mask`` (TRL takes it as the row's tool mask; no reward function sees it)."""
+        extras = self._extras.get(id(completion_ids), {})
+        return {key: value for key, value in extras.items() if key != "env_mask"}
+
     def defers_candidates(self) -> bool:
         return False  # π_ref's candidates go through the function with their round's prompts and extra fields
 
@@ -137,7 +143,7 @@ class RolloutFuncAnchors(AnchorRollout):
         candidate_prompt_ids = [ids for ids in prompt_ids for _ in range(k)]
         if candidate_ids is None:
             candidate_ids = self._reference_candidates(candidate_prompt_ids, k)
-        candidate_inputs = [{**row, **self._extras.get(id(ids), {})}
+        candidate_inputs = [{**row, **self.reward_fields(ids)}
                             for row, ids in zip([row for row in inputs for _ in range(k)], candidate_ids)]
         prompts = [row["prompt"] for row in candidate_inputs]
         completions = seam.decode(trainer, candidate_ids, seam.is_conversational_prompt(prompts[0]))
