@@ -97,11 +97,11 @@ class FakeGenerator:
         return out, None
 
 
-def run(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, **fields):
+def run(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, numbers=range(40), **fields):
     fake = FakeGenerator(tiny_tokenizer)
     monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", lambda trainer, *args, **kw: fake(trainer, *args, **kw))
     trainer = make_trainer(
-        tiny_model_path, tiny_tokenizer, numbers_dataset(range(40)), tmp_path, reward_funcs=has_digit_reward,
+        tiny_model_path, tiny_tokenizer, numbers_dataset(numbers), tmp_path, reward_funcs=has_digit_reward,
         max_steps=3, dynamic_sampling=True, anchor_same_call=False, anchor_num_samples=K, **fields,
     )
     generate, deferred = trainer.anchor_rollout.generate, trainer.anchor_rollout.deferred_anchors
@@ -173,7 +173,9 @@ def test_kept_groups_anchors_gate_and_loss_equal_the_eager_path(tiny_model_path,
     dict(anchor_filter="keep", anchors_per_group=2),
     dict(anchor_filter="keep", anchor_cache=True, ref_reset_steps=2),
     dict(anchor_filter="keep", per_device_train_batch_size=16),  # 4 groups a round: rounds keep more than needed
-], ids=["keep", "keep_unsolved", "two_anchors", "cache", "wide"])
+    # six prompts visited again and again: the cache's rotation over visits (a group looks at the cache in its round)
+    dict(anchor_filter="keep", anchor_cache=True, anchor_cache_per_prompt=3, numbers=[5, 20, 3, 4]),
+], ids=["keep", "keep_unsolved", "two_anchors", "cache", "wide", "cache_rotation"])
 @pytest.mark.parametrize("sampling", ["eager", "lazy"])
 def test_deferred_candidates_train_what_the_paper_path_trains_with_one_call_per_batch(
         tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, fields, sampling):

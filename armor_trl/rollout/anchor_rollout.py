@@ -90,9 +90,8 @@ class AnchorRollout:
             eligible, deferred = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots,
                                                    self.defers_candidates())
         fillers = [on_policy_ids[g * (group_size - slots)] for g in range(len(firsts))]
-        now = eligible if deferred is None else eligible & ~deferred  # the deferred ones' slots hold fillers meanwhile
-        anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs, candidates, eligible=now, fillers=fillers)
-        anchors.deferred = None if deferred is None else deferred.to(anchors.found.device)
+        anchor_ids, anchors = self.sample(group_prompt_ids, group_inputs, candidates, eligible=eligible, fillers=fillers,
+                                          deferrable=deferred)
         if not slots:  # anchor_gate_only: the anchors decided the gate and are not trained
             return on_policy_ids, on_policy_logprobs, anchors
         logprobs = None
@@ -148,14 +147,18 @@ class AnchorRollout:
 
     def sample(self, group_prompt_ids: list, group_inputs: list[dict], candidates: dict | None = None,
                eligible: torch.Tensor | None = None, fillers: list | None = None,
-               after_loop: bool = False) -> tuple[list, AnchorRound]:
+               deferrable: torch.Tensor | None = None, after_loop: bool = False) -> tuple[list, AnchorRound]:
         """``max(anchor slots, 1)`` anchors per group, group after group: from the cache, the column, or picked from K
         reference candidates per ``anchor_selection`` (``candidates``: {group: its K candidates}, already sampled in
         the policy's call; else sampled here, all K at once or in waves per ``anchor_sampling``). Where no candidate
         is eligible the slot still gets one (so shapes stay fixed) and ``found`` marks it; it is then no member of its
         group. ``eligible`` (groups,): only these groups look for an anchor (None: all); the others' slots hold their
-        ``fillers`` (one on-policy completion of the group each). ``after_loop``: the deferred groups of a batch,
-        drawn after the refill loop (counted apart from the rounds' groups)."""
+        ``fillers`` (one on-policy completion of the group each). ``deferrable`` (groups,): eligible groups kept
+        whatever their anchor; they look at the cache now (a hit, or a remembered failure skipped, settles them in
+        their round, as on the paper's path at this visit), and those that would draw wait for the refill loop's end
+        (``AnchorRound.deferred``), their slots holding fillers meanwhile. ``after_loop``: the waiting groups of a
+        batch, drawn after the refill loop: they looked at the cache in their round, so it is not read again here
+        (only filled), and they are counted apart from the rounds' groups."""
         trainer, args = self.trainer, self.args
         device = trainer.accelerator.device
         if self.column is not None and self.column.active(trainer.reference.resets):
@@ -165,6 +168,7 @@ class AnchorRollout:
         cached, known_failures = [None] * groups, [None] * groups
         if self.cache is not None:
             self.cache.sync(trainer.reference.resets)
+        if self.cache is not None and not after_loop:
             # in group order, as the paper's path visits them: a group that does not look still moves the cache's
             # rotation and counts its visit (AnchorCache.visit_unlooked), so its later anchors are the paper's path's
             cached = [self.cache.get(ids) if look else self.cache.visit_unlooked(ids)
@@ -174,7 +178,10 @@ class AnchorRollout:
                     None if hit is not None or not look else self.cache.known_failure(ids, args.anchor_failure_retry_every)
                     for ids, hit, look in zip(group_prompt_ids, cached, looks)
                 ]
-        to_sample = [g for g in range(groups) if looks[g] and cached[g] is None and known_failures[g] is None]
+        waits = [False] * groups if deferrable is None else [
+            bool(wait) and cached[g] is None and known_failures[g] is None for g, wait in enumerate(deferrable.tolist())]
+        to_sample = [g for g in range(groups)
+                     if looks[g] and not waits[g] and cached[g] is None and known_failures[g] is None]
         # Generation and scoring are collective (ZeRO-3 gathers, rewards are gathered): every process samples
         # the same number of groups. Spare places retry remembered failures, then repeat a group (discarded).
         rounds = len(to_sample)
@@ -188,8 +195,8 @@ class AnchorRollout:
         anchors = [[None] * per_group for _ in range(groups)]
         scores = torch.full((groups, per_group, len(weights)), float("nan"))  # per reward function
         for g in range(groups):
-            if not looks[g]:
-                anchors[g] = [fillers[g]] * per_group  # fills the slots; the group's fate does not need an anchor
+            if not looks[g] or waits[g]:
+                anchors[g] = [fillers[g]] * per_group  # fills the slots; the group's fate does not need an anchor (yet)
             elif cached[g] is not None:
                 anchors[g][0], scores[g, 0] = cached[g][0], torch.tensor(cached[g][1])
             elif known_failures[g] is not None and g not in retried:
@@ -240,10 +247,11 @@ class AnchorRollout:
         if candidates is not None:  # a same-call round generated K candidates for every group in the policy's call
             generated = k * groups
         self.counts.update(candidate_rows=generated, candidates_scored=scored, anchors_from_candidates=fresh_anchors)
+        looked = [look and not wait for look, wait in zip(looks, waits)]  # (in this round / call)
         if after_loop:
-            self.counts.update(deferred_groups=sum(looks), deferred_calls=1)
+            self.counts.update(deferred_groups=sum(looked), deferred_calls=1)
         else:
-            self.counts.update(groups=groups, eligible_groups=sum(looks), rounds=1)
+            self.counts.update(groups=groups, eligible_groups=sum(looked), rounds=1)
         weighted = (torch.nan_to_num(scores) * trainer.reward_weights.cpu()).sum(dim=2)
         reward = torch.where(found, weighted, torch.full_like(weighted, float("nan")))
         found = found.to(device)
@@ -252,13 +260,14 @@ class AnchorRollout:
             has_anchor=found.any(dim=1),  # per group
             reward=reward.flatten().to(device),
             candidates_verified=verified_frac.to(device),
-            cache_hits=torch.tensor([sum(hit is not None for hit in cached), sum(looks)], device=device,
+            cache_hits=torch.tensor([sum(hit is not None for hit in cached), sum(looked)], device=device,
                                     dtype=torch.float),  # over the groups that looked for an anchor
             rewards_per_func=scores.flatten(0, 1)[: groups * self.slots_per_group].to(device),
             best_candidate_reward=best_candidate,
             verifier_counts=counts.to(device),
-            eligible=None if eligible is None else eligible.to(device),
+            eligible=None if eligible is None else torch.tensor(looked, device=device),
             candidate_rows=torch.tensor([float(generated), float(scored)], device=device),
+            deferred=None if deferrable is None else torch.tensor(waits, device=device),
             after_loop=after_loop,
         )
         return [ids for group in anchors for ids in group], anchor_round
