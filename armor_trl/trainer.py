@@ -47,6 +47,7 @@ from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
 from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
 from armor_trl.rewards.checks import checked
 from armor_trl.rollout.rollout_func import RolloutFuncAnchors
+from armor_trl.rollout.tool_anchors import ToolAnchorRollout, in_tool_turns, tool_turns
 from armor_trl.rewards import math_verify_reward, verifier_timeouts
 from armor_trl.reference.vllm_server import ReferenceServer
 
@@ -62,6 +63,8 @@ class Round:
     anchors: AnchorRound | None = None  # set by _generate_single_turn
     rewards: torch.Tensor | None = None  # (all processes' rows, reward functions), set by _calculate_rewards
     media: RowMedia | None = None  # each row's images in a VLM round, set by _generate_single_turn
+    prompts: list | None = None  # its chat prompts after environments' resets, set by _generate (tools)
+    trajectories: list | None = None  # each row's tool-loop trajectory, run by the anchor rollout (tools)
 
 
 def model_card_settings(args: ArmorConfig) -> str:
@@ -170,7 +173,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
             for func, name in zip(self.reward_funcs, self.reward_func_names)
         ]
         checks.check_built(self)
-        if args.use_anchors and self._user_rollout_func is not None:
+        if args.use_anchors and seam.uses_tools(self):
+            self.anchor_rollout = ToolAnchorRollout(self, train_dataset)
+        elif args.use_anchors and self._user_rollout_func is not None:
             self.anchor_rollout = RolloutFuncAnchors(self, train_dataset, self._user_rollout_func)
             self.rollout_func = self._armor_rollout_func  # (TRL calls self.rollout_func(prompts, self))
         elif args.use_anchors:
@@ -273,7 +278,21 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return (self.model.training and self.dynamic_sampling is not None and self.beta == 0.0
                 and not seam.vllm_correction(self))
 
+    def _generate(self, prompts):
+        self._round.prompts = prompts  # (with tools: what the anchor rollout's trajectories answer)
+        return super()._generate(prompts)
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        if self._round.trajectories is not None:  # an anchored round: the anchor rollout ran every row's loop
+            return ToolAnchorRollout.finished_loop(self._round.trajectories, completion_ids, logprobs)
+        with tool_turns(self):
+            return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                                           multimodal_fields)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if in_tool_turns(self):  # a turn after a tool result: TRL's loop (on π_ref's candidates: π_ref is routed in)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
         if self.reference is not None:
             checks.check_prompt_lengths(self.model, prompt_ids, self.max_completion_length)
         parent = super()._generate_single_turn

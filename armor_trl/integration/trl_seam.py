@@ -15,6 +15,7 @@ TRL upgrade that moves them fails loudly instead of silently running plain GRPO.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import math
@@ -46,6 +47,10 @@ OVERRIDDEN = {
     "_calculate_rewards": ["inputs", "prompts", "completions", "completion_ids_list"],
     "_get_per_token_logps_and_entropies": ["model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"],
     "_compute_loss": ["model", "inputs"],
+    # the tool loop (armor_trl.rollout.tool_anchors): the round's prompts, and the loop's result for rows it already ran
+    "_generate": ["prompts"],
+    "_tool_call_loop": ["prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images",
+                        "multimodal_fields"],
     # transformers.Trainer's checkpoint hooks (TRL overrides them too)
     "_save_checkpoint": ["model", "trial"],
     "_load_optimizer_and_scheduler": ["checkpoint"],
@@ -137,6 +142,10 @@ def check_trl_surface() -> list[str]:
     logps_params = set(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
     if missing := [name for name in LOGPS_IMAGE_FIELDS if name not in logps_params]:
         problems.append(f"GRPOTrainer._get_per_token_logps_and_entropies lacks the image fields {missing}")
+    trainer_source = inspect.getsource(GRPOTrainer)
+    if missing := [name for name in TOOL_ATTRIBUTES if f"self.{name} =" not in trainer_source]:
+        problems.append(f"GRPOTrainer no longer sets {missing}: anchors on the tool loop read and swap them "
+                        "(armor_trl.rollout.tool_anchors)")
     module_name, _, class_name = vllm_engine.VLLM_ENGINE.rpartition(".")
     try:
         engine = getattr(importlib.import_module(module_name), class_name)
@@ -205,9 +214,16 @@ def add_completion_column(trainer: GRPOTrainer, name: str, values: list) -> None
 def completion_columns_spread(trainer: GRPOTrainer, rows: list[int], total: int):
     """Within the block, reward functions score (and log extra completion columns for) ``rows`` of a round of
     ``total`` local rows only; afterwards each column they extended holds ``total`` entries, None for the other rows,
-    so TRL's completions table stays aligned with its rows."""
+    so TRL's completions table stays aligned with its rows. With ``environment_factory`` the reward functions get
+    the environments of ``rows`` (TRL hands them the round's, one per row)."""
     before = {column: len(values) for column, values in trainer._pending_extra_logs.items()}
-    yield
+    environments = trainer.environments
+    if environments is not None and len(environments) == total:
+        trainer.environments = [environments[row] for row in rows]
+    try:
+        yield
+    finally:
+        trainer.environments = environments
     for column, values in trainer._pending_extra_logs.items():
         start = before.get(column, 0)
         if len(values) - start == len(rows):
@@ -582,3 +598,134 @@ def replaced_loss_logps(trainer: GRPOTrainer, logps, entropies=None):
         return logps
     seen["logps"], seen["entropies"] = logps, entropies
     return seen["replace"](logps)
+
+
+# --- the tool loop and environments (armor_trl.rollout.tool_anchors) ---------------------------------------------------
+# What GRPOTrainer sets up for its tool loop: at construction the standalone tools, the environment factories by name,
+# each environment's tools and the environments' own instance pool; per round, each row's tool dicts, environment name
+# and instance. Anchors' candidates run TRL's loop with rows of their own swapped in (tool_rows_as).
+TOOL_ATTRIBUTES = ("_standalone_tools", "environment_factories", "_multi_environment", "_env_tools",
+                   "_environment_pool", "environments", "_sync_tool_dicts", "_async_tool_dicts", "_batch_environments")
+ENVIRONMENT_ONLY_METHODS = ("reset", "get_reward")  # an environment's methods that TRL does not expose as tools
+
+
+@dataclasses.dataclass
+class ToolRow:
+    """What TRL's tool loop reads of one row: its tools (sync and async, by name) and its environment (name and
+    instance; None without ``environment_factory``)."""
+
+    sync_tools: dict
+    async_tools: dict
+    environment_name: object = None
+    environment: object = None
+
+
+def uses_tools(trainer: GRPOTrainer) -> bool:
+    """Whether TRL runs its tool loop (``tools`` or ``environment_factory``)."""
+    return bool(trainer.tools)
+
+
+def uses_environments(trainer: GRPOTrainer) -> bool:
+    return trainer.environment_factories is not None
+
+
+def round_tool_rows(trainer: GRPOTrainer, rows: int) -> list[ToolRow]:
+    """The round's rows as TRL set them up for its tool loop (its tool dicts, environment names and instances)."""
+    names = trainer._batch_environments if uses_environments(trainer) else [None] * rows
+    environments = trainer.environments or [None] * rows
+    return [ToolRow(sync, async_, name, environment) for sync, async_, name, environment
+            in zip(trainer._sync_tool_dicts, trainer._async_tool_dicts, names, environments, strict=True)]
+
+
+def environment_name(trainer: GRPOTrainer, row: dict):
+    """The environment a dataset row selects (its ``environment`` column with a dict factory; else None)."""
+    return row.get("environment") if trainer._multi_environment else None
+
+
+def reset_kwargs(trainer: GRPOTrainer, row: dict) -> dict:
+    """What TRL passes an environment's ``reset`` for a row: the row, without its ``environment`` control column when
+    several environments are configured."""
+    return {k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row
+
+
+def new_environment(trainer: GRPOTrainer, name):
+    """A new instance of the environment ``name``, made by the user's factory."""
+    return trainer.environment_factories[name]()
+
+
+def environment_tool_row(trainer: GRPOTrainer, name, environment) -> ToolRow:
+    """A row's tool dicts as TRL builds them: the standalone tools and the environment's public methods (all but
+    ``reset`` and ``get_reward``), split into sync and async by name."""
+    methods = [] if environment is None else [
+        getattr(environment, member) for member, _ in inspect.getmembers(type(environment), inspect.isfunction)
+        if member not in ENVIRONMENT_ONLY_METHODS and not member.startswith("_")]
+    sync, async_ = {}, {}
+    for tool in list(trainer._standalone_tools) + methods:
+        (async_ if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
+    return ToolRow(sync, async_, name, environment)
+
+
+def prompt_after_reset(prompt: list, observation) -> list:
+    """A chat prompt with an environment's ``reset`` observation appended to its last message, as TRL appends it
+    (text to text, content parts to content parts), leaving ``prompt`` itself untouched."""
+    if observation is None:
+        return prompt
+    content = prompt[-1]["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+
+
+def default_prompt(trainer: GRPOTrainer, row: dict):
+    """A row's prompt as TRL reads it: with ``environment_factory`` a row may have none (the environment's reset
+    supplies it), an empty user message then."""
+    if uses_environments(trainer):
+        return row.get("prompt", [{"role": "user", "content": ""}])
+    return row["prompt"]
+
+
+def parse_completions(trainer: GRPOTrainer, prompt_ids: list, completion_ids: list, rows: list[ToolRow]) -> list:
+    """First turns as ``GRPOTrainer._generate`` hands them to its tool loop: each a list with the assistant message
+    parsed by the tokenizer's response template, with the tools its prompt was rendered with."""
+    from trl.chat_template_utils import parse_response
+
+    tools = [trainer._env_tools[row.environment_name] if uses_environments(trainer) else trainer.tools for row in rows]
+    return [[parse_response(trainer._tokenizer, ids, prefix=prefix, tools=row_tools)]
+            for ids, prefix, row_tools in zip(completion_ids, prompt_ids, tools, strict=True)]
+
+
+@contextlib.contextmanager
+def tool_rows_as(trainer: GRPOTrainer, rows: list[ToolRow]):
+    """Within the block TRL's tool loop reads ``rows`` as the round's rows (their tool dicts and environments)."""
+    saved = {name: getattr(trainer, name, None) for name in ("_sync_tool_dicts", "_async_tool_dicts",
+                                                             "_batch_environments")}
+    trainer._sync_tool_dicts = [row.sync_tools for row in rows]
+    trainer._async_tool_dicts = [row.async_tools for row in rows]
+    trainer._batch_environments = [row.environment_name for row in rows]
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(trainer, name, value)
+
+
+def tool_call_loop(trainer: GRPOTrainer, prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                   multimodal_fields):
+    """TRL's own tool loop (``GRPOTrainer._tool_call_loop``) on the given rows: (tool_mask, completions,
+    completion_ids, logprobs, tool calls, tool failures, tool images); its generation calls go through the trainer's
+    ``_generate_single_turn``."""
+    return GRPOTrainer._tool_call_loop(trainer, prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                                       multimodal_fields)
+
+
+@contextlib.contextmanager
+def environments_as(trainer: GRPOTrainer, environments: list | None):
+    """Within the block the reward functions (``get_reward`` among them) get ``environments`` as the rows' instances."""
+    saved = trainer.environments
+    trainer.environments = environments
+    try:
+        yield
+    finally:
+        trainer.environments = saved

@@ -124,18 +124,25 @@ def same_fields(row: dict, other: dict) -> bool:
 
 
 def score_on_policy(trainer, inputs: list[dict], prompt_ids: list, on_policy_ids: list, group_size: int,
-                    slots: int, row_fields=None) -> OnPolicyScores:
+                    slots: int, row_fields=None, rollout=None) -> OnPolicyScores:
     """Score a round's on-policy rows with TRL's own scoring (``GRPOTrainer._calculate_rewards``: reward functions,
     their logged metrics and completion columns, the gather over processes), as TRL would score them later.
     ``row_fields(completion_ids)``: the fields TRL adds to a row's inputs before it scores them (a rollout_func's
-    extra fields), which this early scoring must hand the reward functions too."""
+    extra fields), which this early scoring must hand the reward functions too. ``rollout``: the round's
+    AnchorRollout, which knows the prompts and completions TRL hands the reward functions (with tools: the
+    trajectories' messages)."""
     rows = len(inputs)
     keep = policy_rows(rows, group_size, slots)
     kept_inputs = [dict(inputs[i]) for i in keep]
     if row_fields is not None:
         kept_inputs = [{**row, **row_fields(ids)} for row, ids in zip(kept_inputs, on_policy_ids)]
-    prompts = [row["prompt"] for row in kept_inputs]
-    completions = seam.decode_for_rewards(trainer, [prompt_ids[i] for i in keep], on_policy_ids, prompts)
+    kept_prompt_ids = [prompt_ids[i] for i in keep]
+    if rollout is not None:
+        prompts = rollout.reward_prompts(keep, inputs)
+        completions = rollout.reward_completions(kept_prompt_ids, on_policy_ids, prompts)
+    else:
+        prompts = [row["prompt"] for row in kept_inputs]
+        completions = seam.decode_for_rewards(trainer, kept_prompt_ids, on_policy_ids, prompts)
     with seam.completion_columns_spread(trainer, keep, rows):
         rewards = seam.score(trainer, kept_inputs, prompts, completions, on_policy_ids)
     return OnPolicyScores([list(ids) for ids in on_policy_ids], completions, rewards,
@@ -196,7 +203,7 @@ def draw_in_waves(rollout, group_prompt_ids: list, group_inputs: list, used: lis
             groups = [used[p] if p is not None else (used[0] if used else 0) for p in positions]
             prompt_ids = [group_prompt_ids[g] for g in groups]
             if candidates is None:
-                ids = rollout._reference_candidates(prompt_ids, 1)
+                ids = rollout._reference_candidates(prompt_ids, 1, [group_inputs[g] for g in groups])
                 generated += len(ids)
             else:
                 ids = [candidates[g][wave] for g in groups]

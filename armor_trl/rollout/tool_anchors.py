@@ -1,0 +1,246 @@
+"""Anchors on TRL's tool loop (``tools=[...]``) and with ``environment_factory`` (docs/anchors.md, "Tools and
+environments").
+
+With tools a completion is a multi-turn trajectory: the model's turns, the tool calls TRL runs, and the tool results it
+masks out of the loss (``tool_mask``). In an anchored round :class:`ToolAnchorRollout` runs every trajectory of the
+round itself, through TRL's own loop (``GRPOTrainer._tool_call_loop``), before anything is scored:
+
+1. the policy's rows: their first turn on TRL's path, then TRL's loop on them with their own tool dicts and
+   environments (what TRL would have run after the first turn); in a same-call round the K candidates per group are
+   extra rows of that same call and that same loop;
+2. π_ref's candidates: their first turn with π_ref routed into the generation path, then TRL's loop with π_ref still
+   routed in (every turn after a tool result goes through ``_generate_single_turn`` too). With ``environment_factory``
+   each candidate gets an environment instance of its own, made by the factory (pooled apart from the policy's),
+   reset with its group's row exactly as TRL resets the policy's (same kwargs, the ``environment`` column selecting
+   it), and scored on that instance by the reward functions and ``get_reward``.
+
+TRL's ``_generate`` then calls its loop on the round's rows; the trainer answers with the trajectories already run
+(:meth:`ToolAnchorRollout.finished_loop`): each row's own ``tool_mask``, messages, tool images, and TRL's tool-call
+counts over the round. An anchor is a π_ref trajectory placed in its slot like a single-turn anchor: its tool_mask masks
+its tool results out of the mixed ratio, π_ref's and π_old's log-probs and the loss; its sampling log-probs are NaN.
+
+An anchor compares trajectories from one initial state. Each environment reset must therefore reproduce the group's
+state from the row it is given: an environment that samples its own task on ``reset`` (environment-owned data drawing
+a new word each time) gives a group's rows different prompts, and anchors are refused there at the first round, with
+the fix named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+from armor_trl.integration import trl_seam as seam
+from armor_trl.rollout.anchor_rollout import AnchorRollout
+from armor_trl.rollout.anchors import policy_rows
+
+TOOL_ERROR = "{'error': "  # how TRL writes a failed tool call's result into its tool message
+
+
+@dataclass
+class Trajectory:
+    """One row's multi-turn completion as TRL's tool loop leaves it."""
+
+    completion_ids: list  # the model's turns and the tool results between them, as one token sequence
+    tool_mask: list  # 1 on the model's tokens, 0 on tool results
+    completions: list  # the messages the reward functions get (assistant turns and tool results)
+    prompt: object  # the chat prompt it answers (after its environment's reset)
+    tool_images: list = field(default_factory=list)
+    environment: object = None  # the environment instance it ran in (None: tools without an environment)
+    logprobs: list | None = None  # the engine's sampling log-probs (vLLM), None elsewhere
+
+    @property
+    def tool_messages(self) -> list:
+        return [m for m in self.completions if isinstance(m, dict) and m.get("role") == "tool"]
+
+    @property
+    def calls(self) -> int:
+        """Tool calls it made (one tool message each)."""
+        return len(self.tool_messages)
+
+    @property
+    def failures(self) -> int:
+        """Tool calls that failed (TRL's error result: an unknown tool, bad arguments, an exception)."""
+        return sum(isinstance(m["content"], str) and m["content"].startswith(TOOL_ERROR) for m in self.tool_messages)
+
+
+def in_tool_turns(trainer) -> bool:
+    """Whether the trainer's generation is inside a tool loop (a turn after a tool result): such calls go straight
+    to TRL's generation, with whatever model is routed in."""
+    return getattr(trainer, "_armor_tool_turns", 0) > 0
+
+
+@contextlib.contextmanager
+def tool_turns(trainer):
+    trainer._armor_tool_turns = getattr(trainer, "_armor_tool_turns", 0) + 1
+    try:
+        yield
+    finally:
+        trainer._armor_tool_turns -= 1
+
+
+class ToolAnchorRollout(AnchorRollout):
+    """:class:`~armor_trl.rollout.anchor_rollout.AnchorRollout` for a trainer with ``tools`` or
+    ``environment_factory``: every trajectory of an anchored round runs through TRL's tool loop here."""
+
+    def __init__(self, trainer, train_dataset):
+        super().__init__(trainer, train_dataset)
+        self.trajectories: dict[int, Trajectory] = {}  # this round's, by id() of their completion ids
+        self._alive: list = []  # the completion-id lists those ids belong to, kept for the round
+        self.environment_pool: dict = {}  # {environment name: instances} for π_ref's candidates only
+        self._handed_out: dict = {}  # {environment name: instances handed out this round}
+        self._group_prompts: dict = {}  # this round: a group's prompt ids -> its chat prompt (after reset)
+
+    # --- a round -----------------------------------------------------------------------------------------------
+    def generate(self, generate_policy, prompt_ids: list, group_size: int, inputs: list[dict]):
+        trainer = self.trainer
+        rows = len(prompt_ids)
+        self.trajectories, self._alive, self._handed_out = {}, [], {}
+        prompts = trainer._round.prompts
+        check_group_prompts(prompts, group_size)
+        self._group_prompts = {tuple(prompt_ids[i]): prompts[i] for i in range(0, rows, group_size)}
+        round_rows = seam.round_tool_rows(trainer, rows)
+
+        def policy_trajectories(ids: list, n: int):
+            first, logprobs = generate_policy(ids, n)
+            if self.same_call_round:  # per group: its on-policy rows, then K candidates with environments of their own
+                per_group = n - self.args.anchor_num_samples
+                layout = [(g * group_size + j, None) if j < per_group else (None, inputs[g * group_size])
+                          for g in range(rows // group_size) for j in range(n)]
+            else:
+                layout = [(i, None) for i in policy_rows(rows, group_size, self.slots_per_group)]
+            tool_rows, row_prompts = [], []
+            for (row, candidate_of), ids_ in zip(layout, ids):
+                if row is not None:
+                    tool_rows.append(round_rows[row])
+                    row_prompts.append(prompts[row])
+                else:
+                    tool_row, prompt = self._candidate_row(candidate_of, ids_)
+                    tool_rows.append(tool_row)
+                    row_prompts.append(prompt)
+            trajectories = self._run(row_prompts, ids, first, logprobs, tool_rows)
+            merged = None if logprobs is None else [t.logprobs for t in trajectories]
+            return [t.completion_ids for t in trajectories], merged
+
+        completion_ids, logprobs, anchors = super().generate(policy_trajectories, prompt_ids, group_size, inputs)
+        trainer._round.trajectories = [self.trajectory(ids, prompt_ids[i], prompts[i], round_rows[i])
+                                       for i, ids in enumerate(completion_ids)]
+        return completion_ids, logprobs, anchors
+
+    def trajectory(self, completion_ids: list, prompt_ids: list, prompt, row) -> Trajectory:
+        """The trajectory that made ``completion_ids`` this round; for an anchor no loop ran for this round (the
+        dataset column's): the completion as one model turn, parsed with its slot's tools."""
+        found = self.trajectories.get(id(completion_ids))
+        if found is not None:
+            return found
+        completions = seam.parse_completions(self.trainer, [prompt_ids], [completion_ids], [row])[0]
+        return Trajectory(list(completion_ids), [1] * len(completion_ids), completions, prompt)
+
+    @staticmethod
+    def finished_loop(trajectories: list[Trajectory], completion_ids: list, logprobs):
+        """What TRL's ``_tool_call_loop`` returns for a round whose trajectories were run already (they must be the
+        rows TRL hands it): tool masks, messages, completion ids, log-probs, tool calls, failures, tool images."""
+        if [list(ids) for ids in completion_ids] != [t.completion_ids for t in trajectories]:
+            raise RuntimeError("armor_trl: TRL's tool loop was handed other rows than the round's trajectories")
+        return ([list(t.tool_mask) for t in trajectories], [t.completions for t in trajectories], completion_ids,
+                logprobs, sum(t.calls for t in trajectories), sum(t.failures for t in trajectories),
+                [list(t.tool_images) for t in trajectories])
+
+    def defers_candidates(self) -> bool:
+        return False  # a candidate's trajectory runs with its round's prompts and environments
+
+    # --- running trajectories ----------------------------------------------------------------------------------
+    def _run(self, prompts: list, prompt_ids: list, first_ids: list, logprobs, rows: list) -> list[Trajectory]:
+        """TRL's tool loop on first turns ``first_ids`` of ``prompt_ids`` (chat ``prompts``), each row with its
+        own tools and environment (``rows``: :class:`~armor_trl.integration.trl_seam.ToolRow`), through whatever
+        model is routed into the generation path."""
+        trainer = self.trainer
+        completions = seam.parse_completions(trainer, prompt_ids, first_ids, rows)
+        images, fields = trainer.media_for(prompt_ids)
+        loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
+        with seam.tool_rows_as(trainer, rows), tool_turns(trainer):
+            mask, completions, ids, loop_logprobs, _, _, tool_images = seam.tool_call_loop(
+                trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids],
+                completions, loop_logprobs, images, fields)
+        trajectories = []
+        for i, row in enumerate(rows):
+            trajectory = Trajectory(ids[i], mask[i], completions[i], prompts[i], tool_images[i], row.environment,
+                                    None if loop_logprobs is None else loop_logprobs[i])
+            self.trajectories[id(ids[i])] = trajectory
+            self._alive.append(ids[i])
+            trajectories.append(trajectory)
+        return trajectories
+
+    def _candidate_row(self, row: dict, prompt_ids: list):
+        """A candidate's tools and environment: an instance of its row's environment of its own, reset with the row
+        as TRL resets the policy's; and its chat prompt, which must be its group's."""
+        trainer = self.trainer
+        group_prompt = self._group_prompts[tuple(prompt_ids)]
+        if not seam.uses_environments(trainer):
+            return seam.environment_tool_row(trainer, None, None), group_prompt
+        name = seam.environment_name(trainer, row)
+        pool, handed = self.environment_pool.setdefault(name, []), self._handed_out.get(name, 0)
+        if handed == len(pool):
+            pool.append(seam.new_environment(trainer, name))
+        self._handed_out[name] = handed + 1
+        environment = pool[handed]
+        observation = environment.reset(**seam.reset_kwargs(trainer, row))
+        prompt = seam.prompt_after_reset(seam.default_prompt(trainer, row), observation)
+        if prompt != group_prompt:
+            raise not_reproducible(type(environment).__name__)
+        return seam.environment_tool_row(trainer, name, environment), prompt
+
+    # --- AnchorRollout's candidates, as trajectories ---------------------------------------------------------------
+    def _reference_candidates(self, prompt_ids: list, k: int, inputs: list[dict] | None = None) -> list:
+        """π_ref's trajectories: the first turn and every turn after a tool result with π_ref routed in."""
+        rows = [self._candidate_row(row, ids) for row, ids in zip(inputs, prompt_ids)]
+        with self.reference_routed():
+            first = seam.generate(self.trainer, prompt_ids, k)
+            trajectories = self._run([prompt for _, prompt in rows], prompt_ids, first, None,
+                                     [tool_row for tool_row, _ in rows])
+        return [t.completion_ids for t in trajectories]
+
+    def _score_candidates(self, prompt_ids: list, inputs: list[dict], k: int, candidate_ids: list | None = None):
+        """Candidates scored as TRL scores the policy's trajectories: their messages, their chat prompts, and (with
+        ``environment_factory``) their own environment instances handed to the reward functions and ``get_reward``."""
+        trainer = self.trainer
+        candidate_prompt_ids = [ids for ids in prompt_ids for _ in range(k)]
+        candidate_inputs = [row for row in inputs for _ in range(k)]
+        if candidate_ids is None:
+            candidate_ids = self._reference_candidates(candidate_prompt_ids, k, candidate_inputs)
+        trajectories = [self.trajectories[id(ids)] for ids in candidate_ids]
+        environments = [t.environment for t in trajectories] if seam.uses_environments(trainer) else None
+        with seam.environments_as(trainer, environments):
+            rewards = seam.score_quietly(trainer, candidate_inputs, [t.prompt for t in trajectories],
+                                         [t.completions for t in trajectories], candidate_ids)
+        return candidate_ids, rewards
+
+    def reward_prompts(self, rows: list[int], inputs: list[dict]) -> list:
+        """The chat prompts TRL hands the reward functions with these rows (after their environments' resets)."""
+        prompts = self.trainer._round.prompts
+        return [prompts[i] for i in rows]
+
+    def reward_completions(self, prompt_ids: list, completion_ids: list, prompts: list) -> list:
+        """The on-policy rows' messages, as TRL's loop left them."""
+        return [self.trajectories[id(ids)].completions for ids in completion_ids]
+
+
+def check_group_prompts(prompts: list, group_size: int) -> None:
+    """The rows of a group must share their prompt after their environments' resets (else their reset drew each its
+    own task, and an anchor cannot compare with them)."""
+    for start in range(0, len(prompts), group_size):
+        if any(prompt != prompts[start] for prompt in prompts[start : start + group_size]):
+            raise not_reproducible("environment_factory's environment")
+
+
+def not_reproducible(name: str) -> ValueError:
+    return ValueError(
+        f"use_anchors=True with environment_factory needs each reset to reproduce the group's initial state from the "
+        f"row it is given, and {name}'s reset did not: two resets with the same row returned different observations, "
+        "so a group's rows (and π_ref's anchor candidates, which run in environments of their own reset with the same "
+        "row) would start from different tasks. An anchor is a verified π_ref trajectory from the group's own "
+        "starting point; with environment-owned data that draws a task on each reset there is none to share. What "
+        "works: make reset depend only on its arguments (put the task, or a seed, in a train_dataset column: reset "
+        "receives the row), or train with use_anchors=False (the mixed ratio only)."
+    )
