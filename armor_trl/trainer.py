@@ -47,7 +47,7 @@ from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
 from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
 from armor_trl.rewards.checks import checked
 from armor_trl.rollout.rollout_func import RolloutFuncAnchors
-from armor_trl.rollout.tool_anchors import ToolAnchorRollout, in_tool_turns, tool_turns
+from armor_trl.rollout.tool_anchors import ToolAnchorRollout, finished_loop, in_tool_turns, tool_turns
 from armor_trl.rewards import math_verify_reward, verifier_timeouts
 from armor_trl.reference.vllm_server import ReferenceServer
 
@@ -173,7 +173,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
             for func, name in zip(self.reward_funcs, self.reward_func_names)
         ]
         checks.check_built(self)
-        if args.use_anchors and seam.uses_tools(self):
+        if args.use_anchors and (seam.uses_tools(self) or seam.uses_environments(self)):
             self.anchor_rollout = ToolAnchorRollout(self, train_dataset)
         elif args.use_anchors and self._user_rollout_func is not None:
             self.anchor_rollout = RolloutFuncAnchors(self, train_dataset, self._user_rollout_func)
@@ -282,20 +282,18 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self._round.prompts = prompts  # (with tools: what the anchor rollout's trajectories answer)
         return super()._generate(prompts)
 
-    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+    def _tool_call_loop(self, *loop_args):
         if self._round.trajectories is not None:  # an anchored round: the anchor rollout ran every row's loop
-            return ToolAnchorRollout.finished_loop(self._round.trajectories, completion_ids, logprobs)
+            return finished_loop(self._round.trajectories, *loop_args)
         with tool_turns(self):
-            return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images,
-                                           multimodal_fields)
+            return super()._tool_call_loop(*loop_args)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if in_tool_turns(self):  # a turn after a tool result: TRL's loop (on π_ref's candidates: π_ref is routed in)
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+        parent = super()._generate_single_turn
+        if in_tool_turns(self):  # a turn after a tool result (π_ref's candidates: with π_ref routed in)
+            return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if self.reference is not None:
             checks.check_prompt_lengths(self.model, prompt_ids, self.max_completion_length)
-        parent = super()._generate_single_turn
         if self._round.inputs is None:
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if images is not None or multimodal_fields:  # a VLM round: each call gets its own rows' images

@@ -621,7 +621,7 @@ class ToolRow:
 
 
 def uses_tools(trainer: GRPOTrainer) -> bool:
-    """Whether TRL runs its tool loop (``tools`` or ``environment_factory``)."""
+    """Whether TRL runs its tool loop (``tools``, or an ``environment_factory`` whose environments have tools)."""
     return bool(trainer.tools)
 
 
@@ -633,6 +633,8 @@ def round_tool_rows(trainer: GRPOTrainer, rows: int) -> list[ToolRow]:
     """The round's rows as TRL set them up for its tool loop (its tool dicts, environment names and instances)."""
     names = trainer._batch_environments if uses_environments(trainer) else [None] * rows
     environments = trainer.environments or [None] * rows
+    if not uses_tools(trainer):  # environments without tool methods: TRL builds no tool dicts (and runs no loop)
+        return [ToolRow({}, {}, name, environment) for name, environment in zip(names, environments, strict=True)]
     return [ToolRow(sync, async_, name, environment) for sync, async_, name, environment
             in zip(trainer._sync_tool_dicts, trainer._async_tool_dicts, names, environments, strict=True)]
 

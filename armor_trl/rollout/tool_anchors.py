@@ -137,16 +137,6 @@ class ToolAnchorRollout(AnchorRollout):
         completions = seam.parse_completions(self.trainer, [prompt_ids], [completion_ids], [row])[0]
         return Trajectory(list(completion_ids), [1] * len(completion_ids), completions, prompt)
 
-    @staticmethod
-    def finished_loop(trajectories: list[Trajectory], completion_ids: list, logprobs):
-        """What TRL's ``_tool_call_loop`` returns for a round whose trajectories were run already (they must be the
-        rows TRL hands it): tool masks, messages, completion ids, log-probs, tool calls, failures, tool images."""
-        if [list(ids) for ids in completion_ids] != [t.completion_ids for t in trajectories]:
-            raise RuntimeError("armor_trl: TRL's tool loop was handed other rows than the round's trajectories")
-        return ([list(t.tool_mask) for t in trajectories], [t.completions for t in trajectories], completion_ids,
-                logprobs, sum(t.calls for t in trajectories), sum(t.failures for t in trajectories),
-                [list(t.tool_images) for t in trajectories])
-
     def defers_candidates(self) -> bool:
         return False  # a candidate's trajectory runs with its round's prompts and environments
 
@@ -224,6 +214,16 @@ class ToolAnchorRollout(AnchorRollout):
     def reward_completions(self, prompt_ids: list, completion_ids: list, prompts: list) -> list:
         """The on-policy rows' messages, as TRL's loop left them."""
         return [self.trajectories[id(ids)].completions for ids in completion_ids]
+
+
+def finished_loop(trajectories: list[Trajectory], prompts, prompt_ids, completion_ids, completions, logprobs, *_):
+    """What TRL's ``_tool_call_loop`` returns for a round whose trajectories were run already (they must be the rows
+    TRL hands it): tool masks, messages, completion ids, log-probs, tool calls, failures, tool images."""
+    if [list(ids) for ids in completion_ids] != [t.completion_ids for t in trajectories]:
+        raise RuntimeError("armor_trl: TRL's tool loop was handed other rows than the round's trajectories")
+    return ([list(t.tool_mask) for t in trajectories], [t.completions for t in trajectories], completion_ids,
+            logprobs, sum(t.calls for t in trajectories), sum(t.failures for t in trajectories),
+            [list(t.tool_images) for t in trajectories])
 
 
 def check_group_prompts(prompts: list, group_size: int) -> None:
