@@ -62,3 +62,61 @@ def test_a_same_call_round_runs_the_candidates_in_the_policys_own_loop(tool_mode
     rows = anchor_rows(batches[0])
     assert len(rows) == 2
     assert all(row_text(tool_tokenizer, batches[0], row, mask_value=0).startswith("\nt:") for row in rows)
+
+
+def test_malformed_tool_calls_are_handled_as_trl_handles_the_policys(tool_model, tool_tokenizer, tmp_path,
+                                                                     monkeypatch):
+    """π_ref writes tool calls TRL cannot parse (no name; not JSON): TRL's parser falls back to the text, no tool
+    runs, and the anchor is that one turn, every token the model's."""
+    malformed = ['<tool_call>{"arguments": {"a": 3, "b": 4}}</tool_call></s>',
+                 "<tool_call>{arguments: {a: 3}}</tool_call></s>"]
+
+    def reference_turn(text):
+        return malformed[int(re.search(r"u:(\d+)\*", text).group(1)) % 2]
+
+    def long_reward(completions, **kwargs):
+        return [float(len(c[-1]["content"]) > 5) for c in completions]
+
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)),
+                                 reward_funcs=long_reward, anchor_same_call=False)
+    fake = ToolFake(tool_tokenizer, trainer, reference_turn=reference_turn).install(monkeypatch)
+    batches = capture(trainer)
+    trainer.train()
+    assert not any("\nt:" in text for _, texts in fake.calls for text in texts)  # no tool ran, no second turn
+    for batch in batches:
+        rows = anchor_rows(batch)
+        assert len(rows) == 2
+        for row in rows:
+            assert row_text(tool_tokenizer, batch, row) in malformed
+            assert batch["tool_mask"][row].bool().all()
+    assert logged(trainer, "tools/call_frequency") == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("setting", [
+    # eligible-only: the on-policy trajectories are scored before the candidates (all wrong: kept with an anchor only)
+    {"dynamic_sampling": True, "dynamic_sampling_keep_unsolved": True},
+    {"dynamic_sampling": True, "dynamic_sampling_keep_unsolved": True, "anchor_filter": "keep",
+     "anchor_sampling": "lazy"},
+    {"peft_config": "lora"},  # π_ref is the "ref" adapter, routed into every turn
+    {"use_transformers_continuous_batching": True},
+], ids=["dynamic_sampling", "keep_lazy", "lora", "continuous_batching"])
+def test_tool_anchors_combine(setting, tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    from peft import LoraConfig
+
+    setting = dict(setting)
+    if setting.pop("peft_config", None):
+        setting["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            task_type="CAUSAL_LM")
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), anchor_same_call=False,
+                                 **setting)
+    fake = ToolFake(tool_tokenizer, trainer).install(monkeypatch)
+    batches = capture(trainer)
+    trainer.train()
+    assert any(is_reference and any("\nt:" in text for text in texts) for is_reference, texts in fake.calls)
+    for batch in batches:
+        rows = anchor_rows(batch)
+        assert len(rows) == 2
+        for row in rows:
+            n = int(re.search(r"u:(\d+)\*", tool_tokenizer.decode(batch["prompt_ids"][row])).group(1))
+            assert row_text(tool_tokenizer, batch, row, mask_value=0) == f"\nt:{3 * n}\na:"
+            assert row_text(tool_tokenizer, batch, row, mask_value=1).endswith(f"</tool_call></s>{3 * n}</s>")

@@ -13,6 +13,7 @@ import socket
 import subprocess
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -282,7 +283,12 @@ class ToolFake:
             prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
             return torch.cat([input_ids, torch.tensor(fake.completions(model, prompts))], dim=1)
 
+        def generate_batch(model, inputs, **kwargs):
+            return {f"req_{i}": SimpleNamespace(generated_tokens=[t for t in ids if t != fake.tokenizer.pad_token_id])
+                    for i, ids in enumerate(fake.completions(model, [list(ids) for ids in inputs]))}
+
         monkeypatch.setattr(LlamaForCausalLM, "generate", generate)
+        monkeypatch.setattr(LlamaForCausalLM, "generate_batch", generate_batch)
         return self
 
 
@@ -301,12 +307,13 @@ def capture(trainer):
 
 
 def build_tool_trainer(tool_model, tool_tokenizer, tmp_path, dataset, tools=(multiply,), environment_factory=None,
-          reward_funcs=answer_reward, **overrides):
+                       reward_funcs=answer_reward, peft_config=None, **overrides):
+    """An ArmorGRPOTrainer on the tiny tool model: 2 groups of G rows per round, K = 2 candidates, 2 steps."""
     settings = cpu_args(**{"max_completion_length": 96, "max_steps": 2, "per_device_train_batch_size": 8,
                            "anchor_num_samples": 2, **overrides})
     return ArmorGRPOTrainer(model=tool_model, reward_funcs=reward_funcs, args=ArmorConfig(str(tmp_path), **settings),
                             train_dataset=dataset, processing_class=tool_tokenizer, tools=list(tools) or None,
-                            environment_factory=environment_factory)
+                            environment_factory=environment_factory, peft_config=peft_config)
 
 
 def anchor_rows(batch) -> list[int]:
