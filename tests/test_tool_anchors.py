@@ -8,6 +8,7 @@ rows fail, every anchor is a π_ref trajectory with a tool call, and what each r
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -120,3 +121,27 @@ def test_tool_anchors_combine(setting, tool_model, tool_tokenizer, tmp_path, mon
             n = int(re.search(r"u:(\d+)\*", tool_tokenizer.decode(batch["prompt_ids"][row])).group(1))
             assert row_text(tool_tokenizer, batch, row, mask_value=0) == f"\nt:{3 * n}\na:"
             assert row_text(tool_tokenizer, batch, row, mask_value=1).endswith(f"</tool_call></s>{3 * n}</s>")
+
+
+def test_a_cached_anchor_keeps_the_tool_mask_of_the_loop_that_made_it(tool_model, tool_tokenizer, tmp_path,
+                                                                     monkeypatch):
+    """Stateless tools: the cache's anchor is the stored trajectory, replayed with its tool_mask (π_ref is not asked
+    again for a prompt it holds), and the stored trajectories travel with the checkpoint."""
+    data = chat_numbers([1, 2] * 8)  # the same two prompts every round: the second round reads the cache
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, data, anchor_same_call=False,
+                                 anchor_cache=True, shuffle_dataset=False)
+    fake = ToolFake(tool_tokenizer, trainer).install(monkeypatch)
+    batches = capture(trainer)
+    trainer.train()
+    assert logged(trainer, "armor/anchor_cache_hit_frac")[-1] == 1.0
+    assert sum(is_reference for is_reference, _ in fake.calls) == 2  # round 1: a first turn and a turn after a result
+    for row in anchor_rows(batches[-1]):
+        n = int(re.search(r"u:(\d+)\*", tool_tokenizer.decode(batches[-1]["prompt_ids"][row])).group(1))
+        assert row_text(tool_tokenizer, batches[-1], row, mask_value=0) == f"\nt:{3 * n}\na:"
+    part = trainer.armor_state.parts["tool_trajectories"]  # saved and restored with the cache (JSON)
+    kept = dict(trainer.anchor_rollout.kept)
+    assert len(kept) == 2
+    saved = json.loads(json.dumps(part.state_dict()))
+    trainer.anchor_rollout.kept = {}
+    part.load_state_dict(saved)
+    assert trainer.anchor_rollout.kept == kept

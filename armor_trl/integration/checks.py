@@ -72,13 +72,11 @@ def check_tool_anchors(args, rollout_func, environment_factory) -> None:
             "routing π_ref's weights into vLLM for every turn of TRL's tool loop is not built. Use use_vllm=False, or "
             "use_anchors=False (the mixed ratio only)."
         )
-    if args.anchor_cache and environment_factory is None:
-        raise ValueError("anchor_cache=True with tools is not built yet")  # TODO(issue 49): kept trajectories
     if environment_factory is not None and args.anchor_cache:
         raise ValueError(
             "anchor_cache=True with environment_factory: a cached anchor is a trajectory that ran in an environment "
             "whose state it changed; a later round cannot replay it in a fresh environment (nor score it there with "
-            "get_reward). Set anchor_cache=False (with tools alone, without environments, the cache works)."
+            "get_reward). Set anchor_cache=False (with tools alone, stateless, the cache works: a cached anchor keeps its tool_mask)."
         )
     if environment_factory is not None and args.anchor_source == "column":
         raise ValueError(

@@ -91,6 +91,15 @@ class ToolAnchorRollout(AnchorRollout):
         self.environment_pool: dict = {}  # {environment name: instances} for π_ref's candidates only
         self._handed_out: dict = {}  # {environment name: instances handed out this round}
         self._group_prompts: dict = {}  # this round: a group's prompt ids -> its chat prompt (after reset)
+        # the cache's trajectories (tools without environments): completion ids -> (tool_mask, messages); a cached
+        # anchor keeps the tool_mask of the loop that made it (checkpointed with the cache)
+        self.kept: dict[tuple, tuple[list, list]] = {}
+
+    def register(self, state) -> None:
+        super().register(state)
+        if self.cache is not None:
+            state.register("tool_trajectories", lambda: {"kept": [[list(k), m, c] for k, (m, c) in self.kept.items()]},
+                           lambda saved: setattr(self, "kept", {tuple(k): (m, c) for k, m, c in saved["kept"]}))
 
     # --- a round -----------------------------------------------------------------------------------------------
     def generate(self, generate_policy, prompt_ids: list, group_size: int, inputs: list[dict]):
@@ -130,12 +139,26 @@ class ToolAnchorRollout(AnchorRollout):
 
     def trajectory(self, completion_ids: list, prompt_ids: list, prompt, row) -> Trajectory:
         """The trajectory that made ``completion_ids`` this round; for an anchor no loop ran for this round (the
-        dataset column's): the completion as one model turn, parsed with its slot's tools."""
+        dataset column's) it is the cache's stored trajectory, or the completion as one model turn, parsed with its
+        slot's tools."""
         found = self.trajectories.get(id(completion_ids))
         if found is not None:
             return found
+        kept = self.kept.get(tuple(completion_ids))
+        if kept is not None:  # a cached anchor: the trajectory a loop of an earlier round ran
+            return Trajectory(list(completion_ids), list(kept[0]), copy.deepcopy(kept[1]), prompt)
         completions = seam.parse_completions(self.trainer, [prompt_ids], [completion_ids], [row])[0]
         return Trajectory(list(completion_ids), [1] * len(completion_ids), completions, prompt)
+
+    def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:
+        """As AnchorRollout's, keeping each cached candidate's trajectory (its tool_mask and messages) with it."""
+        super()._remember(g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span)
+        for i in span:
+            trajectory = self.trajectories.get(id(candidate_ids[i]))
+            if verified[i] and trajectory is not None:
+                self.kept[tuple(trajectory.completion_ids)] = (trajectory.tool_mask, trajectory.completions)
+        cached = {tuple(ids) for ids in self.cache.completions()}
+        self.kept = {key: value for key, value in self.kept.items() if key in cached}
 
     def defers_candidates(self) -> bool:
         return False  # a candidate's trajectory runs with its round's prompts and environments
