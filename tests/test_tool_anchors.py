@@ -13,8 +13,9 @@ import re
 
 import pytest
 
-from testing import (G, ToolFake, anchor_rows, async_multiply, build_tool_trainer, capture, chat_numbers, logged,
-                     multiply, row_text)
+from armor_trl import ArmorConfig, ArmorGRPOTrainer
+from testing import (G, ToolFake, answer_reward, anchor_rows, async_multiply, build_tool_trainer, capture, chat_numbers,
+                     cpu_args, logged, multiply, row_text)
 
 @pytest.mark.parametrize("tool", [multiply, async_multiply], ids=["sync", "async"])
 def test_anchors_are_reference_trajectories_through_the_tool_loop(tool, tool_model, tool_tokenizer, tmp_path,
@@ -145,3 +146,15 @@ def test_a_cached_anchor_keeps_the_tool_mask_of_the_loop_that_made_it(tool_model
     trainer.anchor_rollout.kept = {}
     part.load_state_dict(saved)
     assert trainer.anchor_rollout.kept == kept
+
+
+def test_what_tool_anchors_cannot_combine_with_is_refused_naming_why(tool_model, tool_tokenizer, tmp_path):
+    def rollout_func(prompts, trainer):
+        raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="both tools and rollout_func.*replaces.*env_mask"):
+        ArmorGRPOTrainer(model=tool_model, reward_funcs=answer_reward, processing_class=tool_tokenizer,
+                         args=ArmorConfig(str(tmp_path), **cpu_args()), train_dataset=chat_numbers(range(8)),
+                         tools=[multiply], rollout_func=rollout_func)
+    with pytest.raises(ValueError, match="tools and use_vllm=True.*use_vllm=False.*use_anchors=False"):
+        build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), use_vllm=True)
