@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from testing import (G, ToolFake, answer_reward, anchor_rows, async_multiply, build_tool_trainer, capture, chat_numbers,
@@ -158,3 +160,47 @@ def test_what_tool_anchors_cannot_combine_with_is_refused_naming_why(tool_model,
                          tools=[multiply], rollout_func=rollout_func)
     with pytest.raises(ValueError, match="tools and use_vllm=True.*use_vllm=False.*use_anchors=False"):
         build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), use_vllm=True)
+
+
+class ToolEngine:
+    """A fake of TRL's vLLM wrapper (as tests/test_vllm_anchors.py's): it records which weights it holds at each
+    generation (the policy's or π_ref's, pushed by ARMOR) and answers as ToolFake, with sampling log-probs."""
+
+    def __init__(self, trainer, fake: ToolFake):
+        self.trainer, self.fake, self.model, self.loaded = trainer, fake, trainer.model, "policy"
+        self.generated_with = []
+        self.llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_model_len=512)))
+
+    def sync_weights(self):
+        self.loaded = "reference" if self.model is not self.trainer.model else "policy"
+
+    def generate(self, prompts, images, num_generations, profiler):
+        texts = [self.fake.tokenizer.decode(ids) for ids in prompts]
+        self.generated_with.append((self.loaded, texts))
+        completions = [self.fake.tokenizer(self.fake.text(self.loaded == "reference", text),
+                                           add_special_tokens=False)["input_ids"] for text in texts]
+        return prompts, completions, [[[-0.5] for _ in ids] for ids in completions], None
+
+
+def test_with_vllm_pi_refs_weights_are_in_the_engine_for_every_turn_of_the_candidates(tool_model, tool_tokenizer,
+                                                                                     tmp_path):
+    """vLLM (the policy's engine, colocated): π_ref's weights are pushed into it for the candidates' first turns and
+    every turn after a tool result; anchors are never importance-corrected (NaN sampling log-probs, ratio 1)."""
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), anchor_same_call=False)
+    engine = ToolEngine(trainer, ToolFake(tool_tokenizer, trainer))
+    trainer.use_vllm, trainer.vllm_generation, trainer.vllm_mode = True, engine, "colocate"
+    trainer._last_loaded_step, trainer.vllm_importance_sampling_correction = -1, True
+    batches = capture(trainer)
+    trainer.train()
+    turns = [(loaded, all("\nt:" in text for text in texts)) for loaded, texts in engine.generated_with]
+    # step 1: π_ref holds the policy's weights, no swap (the fake engine then answers as the policy: no tool call);
+    # step 2: the policy's rows, then π_ref's weights for the candidates' first turns and their turns after a result
+    assert turns == [("policy", False)] * 2 + [("policy", False), ("reference", False), ("reference", True)]
+    batch = batches[1]
+    rows = anchor_rows(batch)
+    assert len(rows) == 2
+    for row in rows:
+        length = int(batch["completion_mask"][row].sum())
+        assert torch.isnan(batch["sampling_per_token_logps"][row][:length]).all()
+        assert (batch["importance_sampling_ratio"][row] == 1).all()
+        assert row_text(tool_tokenizer, batch, row, mask_value=0).startswith("\nt:")

@@ -65,12 +65,12 @@ def check_tool_anchors(args, rollout_func, environment_factory) -> None:
             "TRL's own tool loop, which a rollout_func replaces. Run the tool loop inside the rollout_func (it returns "
             "an env_mask; ARMOR calls it for π_ref's candidates too), or drop rollout_func."
         )
-    if args.use_vllm:
+    if args.use_vllm and args.vllm_reference_server_url is not None:
         raise ValueError(
-            f"use_anchors=True with {feature} and use_vllm=True: π_ref's multi-turn candidates are run on the "
-            "transformers generation path (use_vllm=False, with or without use_transformers_continuous_batching); "
-            "routing π_ref's weights into vLLM for every turn of TRL's tool loop is not built. Use use_vllm=False, or "
-            "use_anchors=False (the mixed ratio only)."
+            f"use_anchors=True with {feature} and a reference server (vllm_reference_server_*): π_ref's candidates "
+            "run TRL's multi-turn tool loop, and routing each of its turns to the reference server is not built. "
+            "Leave vllm_reference_server_* unset: π_ref's weights are then swapped into the policy's engine for the "
+            "candidates' turns."
         )
     if environment_factory is not None and args.anchor_cache:
         raise ValueError(
