@@ -158,8 +158,9 @@ def test_what_tool_anchors_cannot_combine_with_is_refused_naming_why(tool_model,
         ArmorGRPOTrainer(model=tool_model, reward_funcs=answer_reward, processing_class=tool_tokenizer,
                          args=ArmorConfig(str(tmp_path), **cpu_args()), train_dataset=chat_numbers(range(8)),
                          tools=[multiply], rollout_func=rollout_func)
-    with pytest.raises(ValueError, match="tools and use_vllm=True.*use_vllm=False.*use_anchors=False"):
-        build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), use_vllm=True)
+    with pytest.raises(ValueError, match="tools and a reference server.*not built.*Leave vllm_reference_server_\\* unset"):
+        build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), use_vllm=True,
+                           vllm_mode="server", vllm_reference_server_base_url="http://localhost:8001")
 
 
 class ToolEngine:
