@@ -14,10 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from datasets import Dataset
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from testing import (G, ToolFake, answer_reward, anchor_rows, async_multiply, build_tool_trainer, capture, chat_numbers,
-                     cpu_args, logged, multiply, row_text)
+                     cpu_args, logged, multiply, row_text, tool_call)
 
 @pytest.mark.parametrize("tool", [multiply, async_multiply], ids=["sync", "async"])
 def test_anchors_are_reference_trajectories_through_the_tool_loop(tool, tool_model, tool_tokenizer, tmp_path,
@@ -205,3 +206,56 @@ def test_with_vllm_pi_refs_weights_are_in_the_engine_for_every_turn_of_the_candi
         assert torch.isnan(batch["sampling_per_token_logps"][row][:length]).all()
         assert (batch["importance_sampling_ratio"][row] == 1).all()
         assert row_text(tool_tokenizer, batch, row, mask_value=0).startswith("\nt:")
+
+
+@pytest.fixture(scope="module")
+def tool_vlm(tmp_path_factory):
+    from armor_trl.app.tiny import build_tiny_vlm, build_tiny_vlm_processor
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-tool-vlm"), tools=True), build_tiny_vlm_processor(tools=True)
+
+
+def screenshot() -> list:
+    """
+    Takes a screenshot.
+
+    Returns:
+        The screenshot and its caption.
+    """
+    from PIL import Image
+
+    return [{"type": "image", "image": Image.new("RGB", (56, 56), color="red")}, {"type": "text", "text": "shot"}]
+
+
+def test_a_tool_that_returns_an_image_on_a_vision_language_model(tool_vlm, tmp_path, monkeypatch):
+    """A multimodal tool response: π_ref's candidate sees its screenshot in its next turn (TRL's loop hands the turn the
+    image), and the anchor row carries its tool image into the batch's image fields, masked out of the loss."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model, processor = tool_vlm
+
+    def reference_turn(text):
+        return "Done</s>" if "\nt:" in text else tool_call("screenshot")
+
+    def done_reward(completions, **kwargs):
+        return [float(c[-1]["content"].strip() == "Done") for c in completions]
+
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{n}?"}] for n in range(8)]})
+    trainer = ArmorGRPOTrainer(model=model, reward_funcs=done_reward, processing_class=processor, tools=[screenshot],
+                               train_dataset=data, args=ArmorConfig(str(tmp_path), **cpu_args(
+                                   max_completion_length=96, max_steps=2, anchor_num_samples=2,
+                                   anchor_same_call=False)))
+    fake = ToolFake(processor.tokenizer, trainer, reference_turn=reference_turn).install(
+        monkeypatch, Qwen2VLForConditionalGeneration)
+    batches = capture(trainer)
+    trainer.train()
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert any(is_reference and "<|image_pad|>" in text for is_reference, texts in fake.calls for text in texts)
+    for batch in batches:
+        rows = anchor_rows(batch)
+        assert len(rows) == 2
+        for row in rows:
+            ids, tool = batch["completion_ids"][row], batch["tool_mask"][row].bool()
+            assert (ids == image_pad).any() and not tool[ids == image_pad].any()  # the screenshot: masked
+            assert processor.tokenizer.decode(ids[tool & batch["completion_mask"][row].bool()]).endswith("Done</s>")
+        assert [batch["num_images"][row] for row in rows] == [1, 1]  # (the prompts have none)

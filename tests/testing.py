@@ -276,7 +276,7 @@ class ToolFake:
         width = max(map(len, out))
         return [ids + [self.tokenizer.pad_token_id] * (width - len(ids)) for ids in out]
 
-    def install(self, monkeypatch):
+    def install(self, monkeypatch, model_class=LlamaForCausalLM):
         fake = self
 
         def generate(model, input_ids=None, attention_mask=None, **kwargs):
@@ -287,8 +287,8 @@ class ToolFake:
             return {f"req_{i}": SimpleNamespace(generated_tokens=[t for t in ids if t != fake.tokenizer.pad_token_id])
                     for i, ids in enumerate(fake.completions(model, [list(ids) for ids in inputs]))}
 
-        monkeypatch.setattr(LlamaForCausalLM, "generate", generate)
-        monkeypatch.setattr(LlamaForCausalLM, "generate_batch", generate_batch)
+        monkeypatch.setattr(model_class, "generate", generate)
+        monkeypatch.setattr(model_class, "generate_batch", generate_batch)
         return self
 
 
