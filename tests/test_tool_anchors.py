@@ -259,3 +259,40 @@ def test_a_tool_that_returns_an_image_on_a_vision_language_model(tool_vlm, tmp_p
             assert (ids == image_pad).any() and not tool[ids == image_pad].any()  # the screenshot: masked
             assert processor.tokenizer.decode(ids[tool & batch["completion_mask"][row].bool()]).endswith("Done</s>")
         assert [batch["num_images"][row] for row in rows] == [1, 1]  # (the prompts have none)
+
+
+def test_tool_calls_are_logged_for_anchors_and_on_policy_rows_apart(tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    """π_ref calls a tool once per trajectory, for n = 0 one that raises (a failure, whose result TRL drops: it would
+    overflow max_completion_length; TRL counts the call all the same), then answers; the policy never calls one."""
+
+    def divide(a: int, b: int) -> float:
+        """
+        Divides two integers.
+
+        Args:
+            a: The dividend.
+            b: The divisor.
+
+        Returns:
+            The quotient.
+        """
+        return a / b
+
+
+    def reference_call(text):
+        if "\nt:" in text:
+            return "done</s>"
+        n = int(re.search(r"u:(\d+)\*", text).group(1))
+        return tool_call("multiply", a=n, b=3) if n else tool_call("divide", a=n, b=0)
+
+    def any_answer(completions, **kwargs):
+        return [float(c[-1]["content"] != "7") for c in completions]
+
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers([0, 1] * 4),
+                                 tools=(multiply, divide), reward_funcs=any_answer, anchor_same_call=False, max_steps=1, shuffle_dataset=False)
+    ToolFake(tool_tokenizer, trainer, reference_turn=reference_call).install(monkeypatch)
+    trainer.train()
+    assert logged(trainer, "armor/anchor_tool_call_frequency") == [1.0]
+    assert logged(trainer, "armor/anchor_tool_failure_frequency") == [0.5]  # the n = 0 group's anchor failed
+    assert logged(trainer, "armor/policy_tool_call_frequency") == [0.0]
+    assert logged(trainer, "tools/call_frequency") == [2 / 8] and logged(trainer, "tools/failure_frequency") == [0.5]

@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass, field
+
+import torch
 
 from armor_trl.integration import trl_seam as seam
 from armor_trl.rollout.anchor_rollout import AnchorRollout
@@ -50,19 +53,27 @@ class Trajectory:
     environment: object = None  # the environment instance it ran in (None: tools without an environment)
     logprobs: list | None = None  # the engine's sampling log-probs (vLLM), None elsewhere
 
-    @property
-    def tool_messages(self) -> list:
-        return [m for m in self.completions if isinstance(m, dict) and m.get("role") == "tool"]
+    calls: int = 0  # tool calls TRL ran for it (a result it dropped for overflowing the budget included)
+    failures: int = 0  # of which failed (TRL's error result: an unknown tool, bad arguments, an exception)
 
-    @property
-    def calls(self) -> int:
-        """Tool calls it made (one tool message each)."""
-        return len(self.tool_messages)
 
-    @property
-    def failures(self) -> int:
-        """Tool calls that failed (TRL's error result: an unknown tool, bad arguments, an exception)."""
-        return sum(isinstance(m["content"], str) and m["content"].startswith(TOOL_ERROR) for m in self.tool_messages)
+class MessageLog(list):
+    """A row's messages for TRL's loop that remember every tool result appended, also the ones TRL removes again when
+    they would overflow ``max_completion_length``: TRL counts those calls too."""
+
+    def __init__(self, messages):
+        super().__init__(messages)
+        self.tool_results = []
+
+    def append(self, message):
+        if isinstance(message, dict) and message.get("role") == "tool":
+            self.tool_results.append(message)
+        super().append(message)
+
+    def counts(self) -> tuple[int, int]:
+        """(calls, failures): one tool result per call TRL ran; a failure is TRL's error result."""
+        failed = [m for m in self.tool_results if isinstance(m["content"], str) and m["content"].startswith(TOOL_ERROR)]
+        return len(self.tool_results), len(failed)
 
 
 def in_tool_turns(trainer) -> bool:
@@ -91,15 +102,15 @@ class ToolAnchorRollout(AnchorRollout):
         self.environment_pool: dict = {}  # {environment name: instances} for π_ref's candidates only
         self._handed_out: dict = {}  # {environment name: instances handed out this round}
         self._group_prompts: dict = {}  # this round: a group's prompt ids -> its chat prompt (after reset)
-        # the cache's trajectories (tools without environments): completion ids -> (tool_mask, messages); a cached
-        # anchor keeps the tool_mask of the loop that made it (checkpointed with the cache)
-        self.kept: dict[tuple, tuple[list, list]] = {}
+        # the cache's trajectories (tools without environments): completion ids -> (tool_mask, messages, calls,
+        # failures); a cached anchor keeps the tool_mask of the loop that made it (checkpointed with the cache)
+        self.kept: dict[tuple, tuple] = {}
 
     def register(self, state) -> None:
         super().register(state)
         if self.cache is not None:
-            state.register("tool_trajectories", lambda: {"kept": [[list(k), m, c] for k, (m, c) in self.kept.items()]},
-                           lambda saved: setattr(self, "kept", {tuple(k): (m, c) for k, m, c in saved["kept"]}))
+            state.register("tool_trajectories", lambda: {"kept": [[list(k), *v] for k, v in self.kept.items()]},
+                           lambda saved: setattr(self, "kept", {tuple(k): tuple(v) for k, *v in saved["kept"]}))
 
     # --- a round -----------------------------------------------------------------------------------------------
     def generate(self, generate_policy, prompt_ids: list, group_size: int, inputs: list[dict]):
@@ -133,9 +144,26 @@ class ToolAnchorRollout(AnchorRollout):
             return [t.completion_ids for t in trajectories], merged
 
         completion_ids, logprobs, anchors = super().generate(policy_trajectories, prompt_ids, group_size, inputs)
-        trainer._round.trajectories = [self.trajectory(ids, prompt_ids[i], prompts[i], round_rows[i])
-                                       for i, ids in enumerate(completion_ids)]
+        trajectories = [self.trajectory(ids, prompt_ids[i], prompts[i], round_rows[i])
+                        for i, ids in enumerate(completion_ids)]
+        trainer._round.trajectories = trajectories
+        self._log_tool_calls(trajectories, rows, anchors)
         return completion_ids, logprobs, anchors
+
+    def _log_tool_calls(self, trajectories: list[Trajectory], rows: int, anchors) -> None:
+        """TRL's tool metrics for the anchor rows and the on-policy rows apart (all processes): tool calls per row
+        (``armor/{anchor,policy}_tool_call_frequency``) and failed calls per call (``..._tool_failure_frequency``)."""
+        trainer = self.trainer
+        device = trainer.accelerator.device
+        is_anchor = self.anchor_mask(rows, anchors, device)
+        on_policy = torch.ones(rows, dtype=torch.bool, device=device)
+        on_policy[self.slot_rows(rows, device)] = False
+        counts = torch.tensor([[t.calls, t.failures] for t in trajectories], dtype=torch.float, device=device)
+        for kind, mask in (("anchor", is_anchor), ("policy", on_policy)):
+            rows_calls_failures = torch.cat([mask.sum().view(1).float(), counts[mask].sum(dim=0)])
+            kind_rows, calls, failures = trainer.accelerator.reduce(rows_calls_failures, reduction="sum").tolist()
+            seam.log_metric(trainer, f"armor/{kind}_tool_call_frequency", calls / kind_rows if kind_rows else math.nan)
+            seam.log_metric(trainer, f"armor/{kind}_tool_failure_frequency", failures / calls if calls else math.nan)
 
     def trajectory(self, completion_ids: list, prompt_ids: list, prompt, row) -> Trajectory:
         """The trajectory that made ``completion_ids`` this round; for an anchor no loop ran for this round (the
@@ -146,7 +174,9 @@ class ToolAnchorRollout(AnchorRollout):
             return found
         kept = self.kept.get(tuple(completion_ids))
         if kept is not None:  # a cached anchor: the trajectory a loop of an earlier round ran
-            return Trajectory(list(completion_ids), list(kept[0]), copy.deepcopy(kept[1]), prompt)
+            mask, messages, calls, failures = kept
+            return Trajectory(list(completion_ids), list(mask), copy.deepcopy(messages), prompt, calls=calls,
+                              failures=failures)
         completions = seam.parse_completions(self.trainer, [prompt_ids], [completion_ids], [row])[0]
         return Trajectory(list(completion_ids), [1] * len(completion_ids), completions, prompt)
 
@@ -156,7 +186,8 @@ class ToolAnchorRollout(AnchorRollout):
         for i in span:
             trajectory = self.trajectories.get(id(candidate_ids[i]))
             if verified[i] and trajectory is not None:
-                self.kept[tuple(trajectory.completion_ids)] = (trajectory.tool_mask, trajectory.completions)
+                self.kept[tuple(trajectory.completion_ids)] = (trajectory.tool_mask, trajectory.completions,
+                                                               trajectory.calls, trajectory.failures)
         cached = {tuple(ids) for ids in self.cache.completions()}
         self.kept = {key: value for key, value in self.kept.items() if key in cached}
 
@@ -169,7 +200,7 @@ class ToolAnchorRollout(AnchorRollout):
         own tools and environment (``rows``: :class:`~armor_trl.integration.trl_seam.ToolRow`), through whatever
         model is routed into the generation path."""
         trainer = self.trainer
-        completions = seam.parse_completions(trainer, prompt_ids, first_ids, rows)
+        completions = [MessageLog(c) for c in seam.parse_completions(trainer, prompt_ids, first_ids, rows)]
         images, fields = trainer.media_for(prompt_ids)
         loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
         with seam.tool_rows_as(trainer, rows), tool_turns(trainer):
@@ -178,8 +209,9 @@ class ToolAnchorRollout(AnchorRollout):
                 completions, loop_logprobs, images, fields)
         trajectories = []
         for i, row in enumerate(rows):
-            trajectory = Trajectory(ids[i], mask[i], completions[i], prompts[i], tool_images[i], row.environment,
-                                    None if loop_logprobs is None else loop_logprobs[i])
+            calls, failures = completions[i].counts()
+            trajectory = Trajectory(ids[i], mask[i], list(completions[i]), prompts[i], tool_images[i], row.environment,
+                                    None if loop_logprobs is None else loop_logprobs[i], calls, failures)
             self.trajectories[id(ids[i])] = trajectory
             self._alive.append(ids[i])
             trajectories.append(trajectory)
