@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from testing import (ToolFake, anchor_rows, build_tool_trainer, capture, chat_numbers, last_tool_result, logged,
-                     row_text, tool_call)
+from testing import (ToolFake, anchor_rows, build_tool_trainer, capture_rounds, chat_numbers, last_tool_result,
+                     logged, row_text, tool_call)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -100,7 +100,7 @@ def test_environment_factory_candidates_run_and_are_scored_in_environments_of_th
                                  anchor_same_call=False)
     assert trainer.reward_func_names == ["CounterEnvironment"]
     ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn).install(monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     check_anchor_environments(trainer, registry, batches, groups=2)
     # the anchors' rewards are get_reward on their own instances (1: counter = answer); the policy's are 0
@@ -123,7 +123,7 @@ def test_environment_owned_reward_beside_reward_functions(tool_model, tool_token
                                  anchor_same_call=False, anchor_reward_threshold=2.0)
     assert trainer.reward_func_names == ["answer_reward", "CounterEnvironment"]
     ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn).install(monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     check_anchor_environments(trainer, registry, batches, groups=2)
     assert logged(trainer, "armor/anchor_reward_mean") == [2.0, 2.0]  # both columns verified the anchors
@@ -176,7 +176,7 @@ def test_several_environments_route_each_candidate_to_its_rows_environment(tool_
         environment_factory={"counter": counter_environment(registry, with_reward=False, observation="Count."),
                              "echo": EchoEnvironment})
     ToolFake(tool_tokenizer, trainer, reference_turn=turn).install(monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     check_anchor_environments(trainer, registry, batches, groups=2)
     candidates = registry.candidates_of(trainer)
@@ -208,7 +208,7 @@ def test_environment_owned_reward_in_mixed_environments(tool_model, tool_tokeniz
     assert trainer.reward_func_names == ["format_reward", "CounterEnvironment"]
     ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn, policy_turn=lambda text: "x</s>").install(
         monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     check_anchor_environments(trainer, registry, batches, groups=2)
 
@@ -233,7 +233,7 @@ def test_environment_owned_data_without_a_dataset(tool_model, tool_tokenizer, tm
     trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, None, tools=(), reward_funcs=reward_len,
                                  environment_factory=GuessEnvironment, anchor_same_call=False)
     ToolFake(tool_tokenizer, trainer, reference_turn=lambda text: "12</s>").install(monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     assert all(len(anchor_rows(batch)) == 2 for batch in batches)
     assert registry.candidates_of(trainer)

@@ -17,15 +17,16 @@ import torch
 from datasets import Dataset
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from testing import (G, ToolFake, answer_reward, anchor_rows, async_multiply, build_tool_trainer, capture, chat_numbers,
-                     cpu_args, logged, multiply, row_text, tool_call)
+from testing import (G, ToolFake, anchor_rows, answer_reward, async_multiply, build_tool_trainer, capture_rounds,
+                     chat_numbers, cpu_args, logged, multiply, row_text, tool_call)
+
 
 @pytest.mark.parametrize("tool", [multiply, async_multiply], ids=["sync", "async"])
 def test_anchors_are_reference_trajectories_through_the_tool_loop(tool, tool_model, tool_tokenizer, tmp_path,
                                                                    monkeypatch):
     trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), tools=[tool], anchor_same_call=False)
     fake = ToolFake(tool_tokenizer, trainer, tool.__name__).install(monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     assert batches and logged(trainer, "train_loss")
     for batch in batches:
@@ -57,7 +58,7 @@ def test_a_same_call_round_runs_the_candidates_in_the_policys_own_loop(tool_mode
     loop; no generation call is routed to π_ref, and the anchors are still the candidates' whole trajectories."""
     trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), max_steps=1)
     fake = ToolFake(tool_tokenizer, trainer).install(monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     assert logged(trainer, "armor/anchor_same_call") == [1.0]
     assert not any(is_reference for is_reference, _ in fake.calls)
@@ -85,7 +86,7 @@ def test_malformed_tool_calls_are_handled_as_trl_handles_the_policys(tool_model,
     trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)),
                                  reward_funcs=long_reward, anchor_same_call=False)
     fake = ToolFake(tool_tokenizer, trainer, reference_turn=reference_turn).install(monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     assert not any("\nt:" in text for _, texts in fake.calls for text in texts)  # no tool ran, no second turn
     for batch in batches:
@@ -104,7 +105,8 @@ def test_malformed_tool_calls_are_handled_as_trl_handles_the_policys(tool_model,
      "anchor_sampling": "lazy"},
     {"peft_config": "lora"},  # π_ref is the "ref" adapter, routed into every turn
     {"use_transformers_continuous_batching": True},
-], ids=["dynamic_sampling", "keep_lazy", "lora", "continuous_batching"])
+    {"ref_reset_steps": 1},  # π_ref reset after every step: each round's candidates on a freshly copied reference
+], ids=["dynamic_sampling", "keep_lazy_deferred", "lora", "continuous_batching", "reset_every_step"])
 def test_tool_anchors_combine(setting, tool_model, tool_tokenizer, tmp_path, monkeypatch):
     from peft import LoraConfig
 
@@ -115,9 +117,12 @@ def test_tool_anchors_combine(setting, tool_model, tool_tokenizer, tmp_path, mon
     trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), anchor_same_call=False,
                                  **setting)
     fake = ToolFake(tool_tokenizer, trainer).install(monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     assert any(is_reference and any("\nt:" in text for text in texts) for is_reference, texts in fake.calls)
+    # anchor_deferred (on by default) draws a tool round's candidates in their round: their trajectories run with the
+    # round's prompts and environments
+    assert trainer.anchor_rollout.counts["deferred_calls"] == 0
     for batch in batches:
         rows = anchor_rows(batch)
         assert len(rows) == 2
@@ -135,7 +140,7 @@ def test_a_cached_anchor_keeps_the_tool_mask_of_the_loop_that_made_it(tool_model
     trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, data, anchor_same_call=False,
                                  anchor_cache=True, shuffle_dataset=False)
     fake = ToolFake(tool_tokenizer, trainer).install(monkeypatch)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     assert logged(trainer, "armor/anchor_cache_hit_frac")[-1] == 1.0
     assert sum(is_reference for is_reference, _ in fake.calls) == 2  # round 1: a first turn and a turn after a result
@@ -192,7 +197,7 @@ def test_with_vllm_pi_refs_weights_are_in_the_engine_for_every_turn_of_the_candi
     engine = ToolEngine(trainer, ToolFake(tool_tokenizer, trainer))
     trainer.use_vllm, trainer.vllm_generation, trainer.vllm_mode = True, engine, "colocate"
     trainer._last_loaded_step, trainer.vllm_importance_sampling_correction = -1, True
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     turns = [(loaded, all("\nt:" in text for text in texts)) for loaded, texts in engine.generated_with]
     # step 1: π_ref holds the policy's weights, no swap (the fake engine then answers as the policy: no tool call);
@@ -247,7 +252,7 @@ def test_a_tool_that_returns_an_image_on_a_vision_language_model(tool_vlm, tmp_p
                                    anchor_same_call=False)))
     fake = ToolFake(processor.tokenizer, trainer, reference_turn=reference_turn).install(
         monkeypatch, Qwen2VLForConditionalGeneration)
-    batches = capture(trainer)
+    batches = capture_rounds(trainer)
     trainer.train()
     image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert any(is_reference and "<|image_pad|>" in text for is_reference, texts in fake.calls for text in texts)
@@ -296,3 +301,30 @@ def test_tool_calls_are_logged_for_anchors_and_on_policy_rows_apart(tool_model, 
     assert logged(trainer, "armor/anchor_tool_failure_frequency") == [0.5]  # the n = 0 group's anchor failed
     assert logged(trainer, "armor/policy_tool_call_frequency") == [0.0]
     assert logged(trainer, "tools/call_frequency") == [2 / 8] and logged(trainer, "tools/failure_frequency") == [0.5]
+
+
+def test_a_run_resumed_from_its_checkpoint_repeats_the_next_step_exactly(tool_model, tool_tokenizer, tmp_path,
+                                                                         monkeypatch):
+    """With the anchor cache (its stored trajectories in ARMOR's checkpoint state): step 3 of a run resumed from
+    step 2's checkpoint has the uninterrupted run's rows, tool masks and loss."""
+    from testing import StopAt
+
+    def run(output_dir, resume=None, stop=None):
+        trainer = build_tool_trainer(tool_model, tool_tokenizer, output_dir, chat_numbers([1, 2, 3, 4] * 4),
+                                     anchor_same_call=False, anchor_cache=True, max_steps=3, save_strategy="steps",
+                                     save_steps=1)
+        ToolFake(tool_tokenizer, trainer).install(monkeypatch)
+        if stop is not None:
+            trainer.add_callback(StopAt(stop))
+        batches = capture_rounds(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, batches
+
+    straight, straight_batches = run(tmp_path / "straight")
+    run(tmp_path / "stopped", stop=2)
+    resumed, resumed_batches = run(tmp_path / "stopped", resume=str(tmp_path / "stopped" / "checkpoint-2"))
+    assert len(resumed_batches) == 1
+    for key in ("completion_ids", "tool_mask", "armor_is_anchor", "advantages"):
+        assert torch.equal(resumed_batches[0][key], straight_batches[-1][key]), key
+    assert logged(resumed, "loss")[-1] == pytest.approx(logged(straight, "loss")[-1])
+    assert resumed.anchor_rollout.kept == straight.anchor_rollout.kept

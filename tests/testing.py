@@ -292,20 +292,6 @@ class ToolFake:
         return self
 
 
-def capture(trainer):
-    """Every generation batch as it reaches the loss, with the round's tool masks (rows in order)."""
-    batches = []
-    original = trainer._generate_and_score_completions
-
-    def recording(inputs):
-        output = original(inputs)
-        batches.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in output.items()})
-        return output
-
-    trainer._generate_and_score_completions = recording
-    return batches
-
-
 def build_tool_trainer(tool_model, tool_tokenizer, tmp_path, dataset, tools=(multiply,), environment_factory=None,
                        reward_funcs=answer_reward, peft_config=None, **overrides):
     """An ArmorGRPOTrainer on the tiny tool model: 2 groups of G rows per round, K = 2 candidates, 2 steps."""
