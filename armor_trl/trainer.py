@@ -47,7 +47,7 @@ from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
 from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
 from armor_trl.rewards.checks import checked
 from armor_trl.rollout.rollout_func import RolloutFuncAnchors
-from armor_trl.rollout.tool_anchors import ToolAnchorRollout, finished_loop, in_tool_turns, tool_turns
+from armor_trl.rollout.tool_anchors import ToolAnchorRollout, ToolLoopHooks, in_tool_turns
 from armor_trl.rewards import math_verify_reward, verifier_timeouts
 from armor_trl.reference.vllm_server import ReferenceServer
 
@@ -75,7 +75,7 @@ def model_card_settings(args: ArmorConfig) -> str:
     return "\n## ARMOR settings\n\n| field | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
-class ArmorGRPOTrainer(GRPOTrainer):
+class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
     """Drop-in replacement for ``trl.GRPOTrainer`` that trains with ARMOR (arXiv 2607.10481).
 
     Takes every argument of ``GRPOTrainer`` (with an [`ArmorConfig`] as ``args``) plus ``ref_model``:
@@ -277,16 +277,6 @@ class ArmorGRPOTrainer(GRPOTrainer):
         pass TRL makes there too)."""
         return (self.model.training and self.dynamic_sampling is not None and self.beta == 0.0
                 and not seam.vllm_correction(self))
-
-    def _generate(self, prompts):
-        self._round.prompts = prompts  # (with tools: what the anchor rollout's trajectories answer)
-        return super()._generate(prompts)
-
-    def _tool_call_loop(self, *loop_args):
-        if self._round.trajectories is not None:  # an anchored round: the anchor rollout ran every row's loop
-            return finished_loop(self._round.trajectories, *loop_args)
-        with tool_turns(self):
-            return super()._tool_call_loop(*loop_args)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         parent = super()._generate_single_turn

@@ -91,6 +91,23 @@ def tool_turns(trainer):
         trainer._armor_tool_turns -= 1
 
 
+class ToolLoopHooks:
+    """ArmorGRPOTrainer's hooks into TRL's tool loop (a mixin before GRPOTrainer): ``_generate`` keeps the round's
+    chat prompts (after the environments' resets: what the trajectories answer), and ``_tool_call_loop`` answers for
+    an anchored round whose trajectories the anchor rollout ran already; elsewhere TRL's loop runs, its turns marked
+    (:func:`in_tool_turns`)."""
+
+    def _generate(self, prompts):
+        self._round.prompts = prompts
+        return super()._generate(prompts)
+
+    def _tool_call_loop(self, *loop_args):
+        if self._round.trajectories is not None:
+            return finished_loop(self._round.trajectories, *loop_args)
+        with tool_turns(self):
+            return super()._tool_call_loop(*loop_args)
+
+
 class ToolAnchorRollout(AnchorRollout):
     """:class:`~armor_trl.rollout.anchor_rollout.AnchorRollout` for a trainer with ``tools`` or
     ``environment_factory``: every trajectory of an anchored round runs through TRL's tool loop here."""
