@@ -201,11 +201,12 @@ def test_tool_anchors_run_every_turn_of_the_candidates_on_pi_refs_weights(tmp_pa
     from testing import ToolFake, anchor_rows, answer_reward, capture_rounds, chat_numbers, multiply, row_text
 
     path = build_tiny_model(tmp_path_factory.mktemp("vllm_tool"), hidden_size=128, tools=True)
+    reference = build_tiny_model(tmp_path_factory.mktemp("vllm_tool_reference"), hidden_size=128, tools=True, seed=1)
     tokenizer = build_tool_tokenizer()
-    args = ArmorConfig(str(tmp_path), **cpu_args(**{**ENGINE, "max_completion_length": 96, "max_steps": 2,
-                                                    "anchor_num_samples": 2, "anchor_same_call": False}))
+    args = ArmorConfig(str(tmp_path), **cpu_args(**{**ENGINE, "max_completion_length": 96, "max_steps": 1,
+                                                    "anchor_num_samples": 2}))
     STARTED.append(ArmorGRPOTrainer(model=path, reward_funcs=answer_reward, args=args, processing_class=tokenizer,
-                                    train_dataset=chat_numbers(range(8)), tools=[multiply]))
+                                    train_dataset=chat_numbers(range(8)), tools=[multiply], ref_model=reference))
     trainer = STARTED[-1]
     engine, fake = EngineCalls(trainer), ToolFake(tokenizer, trainer)
     served_by_engine = trainer.vllm_generation.generate
@@ -222,10 +223,9 @@ def test_tool_anchors_run_every_turn_of_the_candidates_on_pi_refs_weights(tmp_pa
     trainer.vllm_generation.generate = scripted
     batches = capture_rounds(trainer)
     trainer.train()
-    # step 1: π_ref == π_θ (no swap): rollouts, then the candidates' first turns; step 2: rollouts on π_θ, then the
-    # candidates' first turns and their turns after a tool result, both on π_ref's weights
-    assert engine.calls == [("both", 6), ("both", 4), ("policy", 6), ("reference", 4), ("reference", 4)], \
-        engine.distances
+    # π_ref is another model: the rollouts on π_θ, then the candidates' first turns and their turns after a tool
+    # result, both on π_ref's weights
+    assert engine.calls == [("policy", 6), ("reference", 4), ("reference", 4)], engine.distances
     assert all("\nt:" in text for text in prompts_seen[-1])
     rows = anchor_rows(batches[-1])
     assert len(rows) == 2 and all(row_text(tokenizer, batches[-1], row, 0).startswith("\nt:") for row in rows)
