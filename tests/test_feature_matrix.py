@@ -27,6 +27,7 @@ batching, VLM prompts, two processes, resume, the 8 loss types); the greedy cove
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import shutil
 from collections import Counter
@@ -39,9 +40,12 @@ from datasets import Dataset
 from PIL import Image
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer, generate_completions
+from armor_trl.app.tool_testbed import add
 from armor_trl.reference.policy import REF_ADAPTER
 from armor_trl.rollout import anchor_rollout, anchor_waves
-from testing import cpu_args, logged
+from testing import cpu_args, logged, tool_call
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is experimental in TRL
 
 # --- the features and their levels ------------------------------------------------------------------------------------
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "vespo")
@@ -58,12 +62,17 @@ FEATURES = {
     "processes": ("one", "two"),
     "resume": ("no", "yes"),
     "loss": LOSS_TYPES,
+    "agent": ("none", "tools", "environment"),  # TRL's tool loop: tools=[add], or environment_factory (its add)
 }
 NAMES = tuple(FEATURES)
 # refused at construction, the error naming both features (these words, one of each side's, in the message)
 REFUSED = {
     (("prompts", "vlm"), ("source", "cache")): ("vision-language", "anchor_cache"),
     (("path", "continuous_batching"), ("prompts", "vlm")): ("continuous_batching", "multimodal"),
+    (("agent", "tools"), ("path", "rollout_func")): ("tools", "rollout_func"),
+    (("agent", "environment"), ("path", "rollout_func")): ("environment_factory", "rollout_func"),
+    (("agent", "environment"), ("source", "cache")): ("anchor_cache", "environment_factory"),
+    (("agent", "environment"), ("source", "column")): ("anchor_source='column'", "environment_factory"),
 }
 # combined nowhere (docs/anchors.md says why): a rollout_func for a VLM would have to generate with the images itself
 EXCLUDED = {(("path", "rollout_func"), ("prompts", "vlm"))}
@@ -99,9 +108,9 @@ def covering_array() -> list[dict]:
             row[name] = best
         rows.append({name: row[name] for name in NAMES})
         missing -= pairs_of(rows[-1])
-    base = rows[0]
-    for (a, x), (b, y) in sorted(REFUSED):
-        rows.append({**base, "path": "generate", "source": "online", a: x, b: y})
+    base = {**rows[0], "path": "generate", "source": "online", "prompts": "text", "agent": "none"}
+    for (a, x), (b, y) in sorted(REFUSED):  # (each with its refused pair alone)
+        rows.append({**base, a: x, b: y})
     return rows
 
 
@@ -141,8 +150,8 @@ class ModelFake:
     candidates (the last K of the G − 1 + K rows of a prompt in the policy's call) are π_ref's draws (π_ref holds the
     policy's weights): they follow π_ref's rule, so the same candidates come in every round until the next reset."""
 
-    def __init__(self, tokenizer, trainer):
-        self.tokenizer, self.trainer = tokenizer, trainer
+    def __init__(self, tokenizer, trainer, tools: bool = False):
+        self.tokenizer, self.trainer, self.tools = tokenizer, trainer, tools
         self.digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
         self.letters = tokenizer.convert_tokens_to_ids(list("abcxyz"))
         self.calls: dict = {}
@@ -160,6 +169,8 @@ class ModelFake:
         return self.trainer.model.active_adapter == REF_ADAPTER
 
     def completions(self, model, prompts: list[list[int]]) -> list[list[int]]:
+        """One list of token ids per prompt; with an agent (``tools``: a tool call first, the draw's answer after the
+        tool's result) each ends in eos and is padded to the call's widest."""
         reference = self.is_reference(model)
         per_prompt = Counter(map(tuple, prompts))
         same_call = not reference and set(per_prompt.values()) == {G - 1 + K}
@@ -181,10 +192,14 @@ class ModelFake:
                 correct = kind == 0 or (kind == 2 and j % 2 == 0)
                 token = self.digits[(n + self.step) % 10] if correct else self.letters[(n + j) % 6]
                 out.append([token, self.letters[(j + self.round) % 6], self.letters[n % 6]])
+            if self.tools:  # every draw calls add(n, n + 1) first; after its result, the draw's answer
+                turn = tool_call("add", a=n, b=n + 1) if "\nt:" not in text else self.tokenizer.decode(out[-1]) + "</s>"
+                out[-1] = self.tokenizer(turn, add_special_tokens=False)["input_ids"]
             reference = self.is_reference(model)
         for key in seen:
             self.calls[key] = self.calls.get(key, 0) + 1
-        return out
+        width = max(map(len, out))
+        return [ids + [self.tokenizer.pad_token_id] * (width - len(ids)) for ids in out]
 
     def install(self, monkeypatch, model_class):
         fake = self
@@ -196,7 +211,8 @@ class ModelFake:
 
         def generate_batch(model, inputs, **kwargs):
             model.get_input_embeddings()(torch.tensor([inputs[0][:1]]))
-            return {f"req_{i}": SimpleNamespace(generated_tokens=ids)
+            pad = fake.tokenizer.pad_token_id
+            return {f"req_{i}": SimpleNamespace(generated_tokens=[t for t in ids if t != pad])
                     for i, ids in enumerate(fake.completions(model, [list(ids) for ids in inputs]))}
 
         monkeypatch.setattr(model_class, "generate", generate)
@@ -207,7 +223,7 @@ class ModelFake:
 
 # --- the pieces of a run -----------------------------------------------------------------------------------------------
 def has_digit(completion) -> float:
-    text = completion if isinstance(completion, str) else completion[0]["content"]
+    text = completion if isinstance(completion, str) else completion[-1]["content"]
     return float(any(ch.isdigit() for ch in text))
 
 
@@ -247,8 +263,9 @@ def dataset_for(row: dict) -> Dataset:
     rows = []
     for n in NUMBERS:
         item = {"prompt": f"{n}+{n + 1}=", "answer": str(2 * n + 1)}
-        if row["prompts"] == "vlm":
+        if row["prompts"] == "vlm" or row["agent"] != "none":  # TRL's tool loop takes chat prompts
             item["prompt"] = [{"role": "user", "content": item["prompt"]}]
+        if row["prompts"] == "vlm":
             item["image"] = image_of(n)
         if row["source"] == "column":
             item["anchors"] = [str(2 * n + 1)]
@@ -273,7 +290,29 @@ def settings(row: dict, paper: bool = False) -> dict:
             "num_blocks": 32, "max_batch_tokens": 128, "page_size": 16})
     if row["resume"] == "yes":
         fields.update(save_strategy="steps", save_steps=1)
+    if row["agent"] != "none":  # a tool call, its result and the answer
+        fields["max_completion_length"] = 96
     return fields
+
+
+class AddEnvironment:
+    """environment_factory's environment: reset with the row (nothing to show), its method ``add`` a tool."""
+
+    def reset(self, **kwargs):
+        self.row = kwargs
+
+    def add(self, a: int, b: int) -> int:
+        """
+        Adds two integers exactly.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The sum.
+        """
+        return add(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +320,24 @@ def vlm(tmp_path_factory):
     from armor_trl.app.tiny import build_tiny_vlm, build_tiny_vlm_processor
 
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm")), build_tiny_vlm_processor()
+
+
+@pytest.fixture(scope="module")
+def tool_vlm(tmp_path_factory):
+    from armor_trl.app.tiny import build_tiny_vlm, build_tiny_vlm_processor
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-tool-vlm"), tools=True), build_tiny_vlm_processor(tools=True)
+
+
+def model_of(row, request):
+    """(model path, processing class) of ``row``: the tiny text model or VLM, with the tool-calling chat template for
+    an agent."""
+    text, vlm = ("tiny_model_path", "tiny_tokenizer"), ("vlm",)
+    if row["agent"] != "none":
+        text, vlm = ("tool_model", "tool_tokenizer"), ("tool_vlm",)
+    names = text if row["prompts"] == "text" else vlm
+    values = [request.getfixturevalue(name) for name in names]
+    return tuple(values) if len(values) == 2 else values[0]
 
 
 def build(row, output_dir, model_path, processing_class, paper=False):
@@ -291,6 +348,8 @@ def build(row, output_dir, model_path, processing_class, paper=False):
     expected = set(data.column_names) - {"prompt"} | {"trainer_state", "log_extra", "log_metric"}
     if row["path"] == "rollout_func":
         expected.add("env_score")
+    if row["agent"] == "environment":
+        expected.add("environments")
     calls = []
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     trainer = ArmorGRPOTrainer(
@@ -298,7 +357,9 @@ def build(row, output_dir, model_path, processing_class, paper=False):
         args=ArmorConfig(output_dir=str(output_dir), **cpu_args(**settings(row, paper))), train_dataset=data,
         processing_class=processing_class,
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if row["reference"] == "lora" else None,
-        rollout_func=env_rollout(tokenizer) if row["path"] == "rollout_func" else None)
+        rollout_func=env_rollout(tokenizer) if row["path"] == "rollout_func" else None,
+        tools=[add] if row["agent"] == "tools" else None,
+        environment_factory=AddEnvironment if row["agent"] == "environment" else None)
     return trainer, calls
 
 
@@ -319,13 +380,27 @@ def check_rows_keep_their_images(batch, processor) -> None:
 
 
 def kept_rows(batch) -> list:
-    """The rows in the loss: (prompt ids, completion ids, advantage, anchor flag), in batch order."""
+    """The rows in the loss: (prompt ids, completion ids, advantage, anchor flag, tool mask), in batch order."""
     rows = []
     for i in torch.nonzero(batch["completion_mask"].sum(dim=1) > 0).flatten().tolist():
         prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
-        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()
-        rows.append((prompt, completion, round(batch["advantages"][i].item(), 5), bool(batch["armor_is_anchor"][i])))
+        kept = batch["completion_mask"][i].bool()
+        completion = batch["completion_ids"][i][kept].tolist()
+        tools = batch["tool_mask"][i][kept].tolist() if "tool_mask" in batch else None
+        rows.append((prompt, completion, round(batch["advantages"][i].item(), 5), bool(batch["armor_is_anchor"][i]),
+                     tools))
     return rows
+
+
+def check_tool_results_are_masked(batch, tokenizer) -> None:
+    """Every row of an agent's batch, anchors included, is a tool call, add's result for its own prompt (masked out
+    of the loss: tool_mask 0) and an answer (the model's: tool_mask 1)."""
+    for i in torch.nonzero(batch["completion_mask"].sum(dim=1) > 0).flatten().tolist():
+        n = int(re.search(r"(\d+)\+", tokenizer.decode(batch["prompt_ids"][i], skip_special_tokens=True)).group(1))
+        ids = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
+        tool = batch["tool_mask"][i][: len(ids)].bool()
+        assert tokenizer.decode(ids[~tool]) == f"\nt:{2 * n + 1}\na:", (i, tokenizer.decode(ids))
+        assert tokenizer.decode(ids[tool]).startswith(tool_call("add", a=n, b=n + 1)), (i, tokenizer.decode(ids))
 
 
 def first_difference(rows: list, expected: list):
@@ -343,7 +418,8 @@ def train(row, output_dir, model_path, processing_class, monkeypatch, paper=Fals
     trainer, calls = build(row, output_dir, model_path, processing_class, paper)
     policy = trainer.unwrapped_policy()
     base = policy.get_base_model() if row["reference"] == "lora" else policy
-    ModelFake(getattr(processing_class, "tokenizer", processing_class), trainer).install(monkeypatch, type(base))
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    ModelFake(tokenizer, trainer, tools=row["agent"] != "none").install(monkeypatch, type(base))
     if row["processes"] == "two":  # the other process has two more groups to draw in every collective call
         for module in (anchor_waves, anchor_rollout):
             monkeypatch.setattr(module, "agreed_count", lambda trainer, local: local + 2)
@@ -357,9 +433,11 @@ def train(row, output_dir, model_path, processing_class, monkeypatch, paper=Fals
 
     trainer._generate_and_score_completions = recording
     trainer.train(resume_from_checkpoint=resume_from)
-    if row["prompts"] == "vlm":
-        for batch in batches:
+    for batch in batches:
+        if row["prompts"] == "vlm":
             check_rows_keep_their_images(batch, processing_class)
+        if row["agent"] != "none":
+            check_tool_results_are_masked(batch, tokenizer)
     return trainer, batches, calls
 
 
@@ -368,8 +446,8 @@ def by_step(trainer, key) -> dict:
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row_id(row) for row in ROWS])
-def test_feature_pairs(row, tiny_model_path, tiny_tokenizer, vlm, tmp_path, monkeypatch):
-    model_path, processing_class = (tiny_model_path, tiny_tokenizer) if row["prompts"] == "text" else vlm
+def test_feature_pairs(row, request, tmp_path, monkeypatch):
+    model_path, processing_class = model_of(row, request)
     words = refusal_of(row)
     if words is not None:  # refused at construction, naming both features
         with pytest.raises(ValueError) as refused:
