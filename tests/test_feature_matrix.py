@@ -16,12 +16,15 @@ completion is a fixed function of the prompt, whether π_ref or the policy drew 
 Two processes are simulated as tests/test_anchor_waves.py does: the collective counts of anchor sampling
 (``agreed_count``) see another process with two more groups to draw in every call, so this one pads its calls.
 
-Size: 12 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
+Size: 13 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
 online / cache / column, same-call resets, LoRA reference, the generation path: generate / rollout_func / continuous
-batching, VLM prompts, two processes, resume, the 8 loss types); the greedy covering array below has 31 combinations
-(checked to cover every allowed pair), 2 of them refusals. Each trains 2 steps, plus the paper's path where it differs
-(22) and a resumed run where asked for (8): 59 short runs, 168 s in one process on the shared 2-core machine
-(docs/anchors.md, "Which features combine", holds the table of pairs).
+batching, VLM prompts, two processes, resume, the 8 loss types, an agent: none / tools / environment_factory); the
+greedy covering array below has 40 combinations (checked to cover every allowed pair), 6 of them refusals. Each trains
+2 steps, plus the paper's path where it differs (30) and a resumed run where asked for (10): 74 short runs
+(docs/anchors.md, "Which features combine", holds the table of pairs and the time).
+
+An agent's generator (``tools`` or ``environment_factory``) calls ``add(n, n + 1)`` in every draw's first turn and gives
+the draw's answer after the tool's result, so which draws are right is the same as without one.
 """
 
 from __future__ import annotations
@@ -504,8 +507,9 @@ def test_the_support_table_states_what_the_matrix_runs():
     assert f"{len(trained) + paper + resumed} short runs" in section
     assert all(f"`{loss}`" in section for loss in LOSS_TYPES)
     for (a, x), (b, y) in [*REFUSED, *EXCLUDED]:  # each pair left out of the trained combinations has its row
-        words = {"prompts": "VLM prompts", "source": "`anchor_cache`", "path": {
-            "continuous_batching": "continuous batching", "rollout_func": "`rollout_func`"}}
+        words = {"prompts": "VLM prompts", "source": {"cache": "`anchor_cache`", "column": '`anchor_source="column"`'},
+                 "path": {"continuous_batching": "continuous batching", "rollout_func": "`rollout_func`"},
+                 "agent": {"tools": "`tools`", "environment": "`environment_factory`"}}
         first = words[a] if isinstance(words[a], str) else words[a][x]
         second = words[b] if isinstance(words[b], str) else words[b][y]
         assert any(line.startswith("|") and first in line and second in line for line in section.splitlines()), (a, b)

@@ -113,10 +113,11 @@ def warm_start_examples(tokenizer, n: int, seed: int, digits: int = 2, wrong_nam
 
 def build_tool_agent(path: str | os.PathLike, steps: int = 300, seed: int = 0, hidden_size: int = 64,
                      num_layers: int = 2, batch_size: int = 32, learning_rate: float = 3e-3, digits: int = 2,
-                     wrong_name_share: float = 0.2, direct_share: float = 0.2) -> str:
+                     wrong_name_share: float = 0.2, direct_share: float = 0.2, threads: int | None = 1) -> str:
     """Write the warm-started tool agent to ``path`` (model and tool-calling tokenizer, ``save_pretrained``); return
     the path. ``steps`` supervised steps of ``batch_size`` conversations (fresh problems each step), AdamW at
-    ``learning_rate``; deterministic for ``seed`` on one machine."""
+    ``learning_rate``, on ``threads`` torch threads (None: as set; a model this small trains fastest on one, and
+    several spin against each other on a busy machine); deterministic for ``seed`` on one machine."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,6 +127,8 @@ def build_tool_agent(path: str | os.PathLike, steps: int = 300, seed: int = 0, h
     build_tiny_model(path, hidden_size=hidden_size, num_layers=num_layers, seed=seed, tools=True)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads or threads_before)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     examples = warm_start_examples(tokenizer, steps * batch_size, seed, digits, wrong_name_share, direct_share)
@@ -140,6 +143,7 @@ def build_tool_agent(path: str | os.PathLike, steps: int = 300, seed: int = 0, h
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    torch.set_num_threads(threads_before)
     model.eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
