@@ -464,10 +464,10 @@ def decode(trainer: GRPOTrainer, completion_ids: list[list[int]], conversational
 
 
 def decode_for_rewards(trainer: GRPOTrainer, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                       prompts: list) -> list:
-    """Decode completions exactly as ``GRPOTrainer._generate`` hands them to reward functions (no tools: anchors
-    refuse them): chat prompts parsed by the tokenizer's response schema where transformers >= 5 has one, else
-    decoded into an assistant message; text prompts decoded."""
+                       prompts: list, tools: list | None = None) -> list:
+    """Decode completions exactly as ``GRPOTrainer._generate`` hands them to reward functions (and, with tools, to its
+    tool loop): chat prompts parsed by the tokenizer's response schema where transformers >= 5 has one (with each
+    row's ``tools``, :func:`row_tools`), else decoded into an assistant message; text prompts decoded."""
     if not is_conversational({"prompt": prompts[0]}):
         return trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
     tokenizer = trainer._tokenizer
@@ -476,8 +476,9 @@ def decode_for_rewards(trainer: GRPOTrainer, prompt_ids: list[list[int]], comple
     if schema and Version(transformers.__version__) >= Version("5.0.0"):  # parse_response: transformers 5
         from trl.chat_template_utils import parse_response
 
-        return [[parse_response(tokenizer, ids, prefix=prefix, tools=None)]
-                for ids, prefix in zip(completion_ids, prompt_ids)]
+        tools = tools or [None] * len(completion_ids)
+        return [[parse_response(tokenizer, ids, prefix=prefix, tools=row)]
+                for ids, prefix, row in zip(completion_ids, prompt_ids, tools, strict=True)]
     return decode(trainer, completion_ids, True)
 
 
@@ -688,14 +689,10 @@ def default_prompt(trainer: GRPOTrainer, row: dict):
     return row["prompt"]
 
 
-def parse_completions(trainer: GRPOTrainer, prompt_ids: list, completion_ids: list, rows: list[ToolRow]) -> list:
-    """First turns as ``GRPOTrainer._generate`` hands them to its tool loop: each a list with the assistant message
-    parsed by the tokenizer's response template, with the tools its prompt was rendered with."""
-    from trl.chat_template_utils import parse_response
-
-    tools = [trainer._env_tools[row.environment_name] if uses_environments(trainer) else trainer.tools for row in rows]
-    return [[parse_response(trainer._tokenizer, ids, prefix=prefix, tools=row_tools)]
-            for ids, prefix, row_tools in zip(completion_ids, prompt_ids, tools, strict=True)]
+def row_tools(trainer: GRPOTrainer, rows: list[ToolRow]) -> list:
+    """The tools each row's prompt was rendered with (its environment's, with ``environment_factory``), which TRL
+    parses its completions with."""
+    return [trainer._env_tools[row.environment_name] if uses_environments(trainer) else trainer.tools for row in rows]
 
 
 @contextlib.contextmanager

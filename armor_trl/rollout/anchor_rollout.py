@@ -86,8 +86,7 @@ class AnchorRollout:
         self.on_policy_scores, eligible, deferred = None, None, None
         column = self.column is not None and self.column.active(self.trainer.reference.resets)
         if filters_groups(self.args) and not column:
-            self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots,
-                                                    self.reward_fields, self)
+            self.on_policy_scores = score_on_policy(self, inputs, prompt_ids, on_policy_ids, group_size, slots)
             eligible, deferred = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots,
                                                    self.defers_candidates())
         fillers = [on_policy_ids[g * (group_size - slots)] for g in range(len(firsts))]

@@ -15,7 +15,7 @@ round itself, through TRL's own loop (``GRPOTrainer._tool_call_loop``), before a
    it), and scored on that instance by the reward functions and ``get_reward``.
 
 TRL's ``_generate`` then calls its loop on the round's rows; the trainer answers with the trajectories already run
-(:meth:`ToolAnchorRollout.finished_loop`): each row's own ``tool_mask``, messages, tool images, and TRL's tool-call
+(:func:`finished_loop`): each row's own ``tool_mask``, messages, tool images, and TRL's tool-call
 counts over the round. An anchor is a π_ref trajectory placed in its slot like a single-turn anchor: its tool_mask masks
 its tool results out of the mixed ratio, π_ref's and π_old's log-probs and the loss; its sampling log-probs are NaN.
 
@@ -52,7 +52,6 @@ class Trajectory:
     tool_images: list = field(default_factory=list)
     environment: object = None  # the environment instance it ran in (None: tools without an environment)
     logprobs: list | None = None  # the engine's sampling log-probs (vLLM), None elsewhere
-
     calls: int = 0  # tool calls TRL ran for it (a result it dropped for overflowing the budget included)
     failures: int = 0  # of which failed (TRL's error result: an unknown tool, bad arguments, an exception)
 
@@ -194,7 +193,8 @@ class ToolAnchorRollout(AnchorRollout):
             mask, messages, calls, failures = kept
             return Trajectory(list(completion_ids), list(mask), copy.deepcopy(messages), prompt, calls=calls,
                               failures=failures)
-        completions = seam.parse_completions(self.trainer, [prompt_ids], [completion_ids], [row])[0]
+        completions = seam.decode_for_rewards(self.trainer, [prompt_ids], [completion_ids], [prompt],
+                                              seam.row_tools(self.trainer, [row]))[0]
         return Trajectory(list(completion_ids), [1] * len(completion_ids), completions, prompt)
 
     def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:
@@ -217,7 +217,8 @@ class ToolAnchorRollout(AnchorRollout):
         own tools and environment (``rows``: :class:`~armor_trl.integration.trl_seam.ToolRow`), through whatever
         model is routed into the generation path."""
         trainer = self.trainer
-        completions = [MessageLog(c) for c in seam.parse_completions(trainer, prompt_ids, first_ids, rows)]
+        completions = [MessageLog(c) for c in seam.decode_for_rewards(trainer, prompt_ids, first_ids, prompts,
+                                                                      seam.row_tools(trainer, rows))]
         images, fields = trainer.media_for(prompt_ids)
         loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
         with seam.tool_rows_as(trainer, rows), tool_turns(trainer):
