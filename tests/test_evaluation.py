@@ -117,6 +117,18 @@ def test_fewer_samples_than_k_is_refused_before_generating(tiny_tokenizer):
         ValidationCallback(dataset, exact_integer_reward, every_steps=1, k=4, num_samples=2)
 
 
+def test_an_unknown_sampling_setting_is_refused_naming_the_settings(tiny_tokenizer):
+    dataset = Dataset.from_dict({"prompt": ["1+1="], "answer": ["2"]})
+    model = ScriptedModel(tiny_tokenizer, {"1+1=": 1})
+    message = r"unknown sampling settings \['max_tokens'\]: the settings are \['batch_size', 'max_new_tokens', " \
+              r"'temperature', 'top_p'\]"
+    with pytest.raises(TypeError, match=message):
+        evaluate(model, tiny_tokenizer, dataset, exact_integer_reward, k=1, max_tokens=4)
+    assert model.calls == []
+    with pytest.raises(TypeError, match=message):
+        evaluate_with_trainer(None, dataset, exact_integer_reward, k=1, max_tokens=4)  # before the trainer is used
+
+
 def test_sampling_with_a_real_model_is_reproducible(tiny_model_path, tiny_tokenizer, chat_dataset):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     data = chat_dataset.select(range(6))
