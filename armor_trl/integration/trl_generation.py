@@ -1,10 +1,10 @@
-"""The seam's second half for TRL's generation and scoring path: sampling with the trainer's own generation path
+"""The seam's part for TRL's generation and scoring path: sampling with the trainer's own generation path
 (with other sampling settings, or through π_ref), decoding and scoring completions as GRPOTrainer does, the
 per-token log-probs of its forward pass, and the old policy's log-prob pass that dynamic sampling defers.
 
 Like :mod:`armor_trl.integration.trl_seam`, this module may touch TRL's private names; every one it touches is listed
 there (``OVERRIDDEN``, ``ATTRIBUTES``, ``HELPERS``, ...) and verified by ``trl_seam.check_trl_surface``
-(tests/test_trl_seam.py checks that both modules touch no name outside those lists).
+(tests/test_trl_seam.py checks that it touches no name outside those lists).
 """
 
 from __future__ import annotations
