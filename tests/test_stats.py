@@ -213,14 +213,3 @@ def test_a_prompt_types_share_is_averaged_over_the_rounds_that_had_rows_of_that_
             assert sum(v for m, v in modes.items() if m.rpartition("/")[0] == prompt_type) == pytest.approx(1.0)
     assert diagnostic["anchor_modes"]["carrying"] == pytest.approx(0.5 / 3)
     assert diagnostic["policy_modes"]["carrying"] == pytest.approx(0.25 / 3)
-
-
-def test_the_anchor_mode_plot_averages_a_share_over_the_rounds_of_its_prompt_type():
-    from armor_trl.app.experiments.plots import _share_curve
-
-    modes = {"carrying": [(0, 0.5), (1, 1.0), (2, 1.0)], "worked": [(0, 0.5)], "carry/carrying": [(1, 1.0), (2, 0.0)],
-             "no_carry/worked": [(0, 1.0)]}
-    assert _share_curve(modes, "carry/carrying", 1) == [(1, 1.0), (2, 0.0)]  # no carry rows in round 0: no share
-    assert _share_curve(modes, "carry/carrying", 2) == [(1, 1.0), (2, 0.5)]
-    assert _share_curve(modes, "no_carry/worked", 1) == [(0, 1.0), (1, 1.0), (2, 1.0)]  # held until the next round
-    assert _share_curve(modes, "worked", 1) == [(0, 0.5), (1, 0.0), (2, 0.0)]  # rounds with rows, another mode: 0
