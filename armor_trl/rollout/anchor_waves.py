@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.algorithm.advantages import dynamic_sampling_keep, total_rewards
 from armor_trl.rollout.anchors import policy_rows, verified_mask
 from armor_trl.reference.vllm_swap import reference_in_engine
@@ -136,7 +137,7 @@ def score_on_policy(rollout, inputs: list[dict], prompt_ids: list, on_policy_ids
     prompts = rollout.reward_prompts(keep, inputs)
     completions = rollout.reward_completions([prompt_ids[i] for i in keep], on_policy_ids, prompts)
     with seam.completion_columns_spread(trainer, keep, rows):
-        rewards = seam.score(trainer, kept_inputs, prompts, completions, on_policy_ids)
+        rewards = trl_generation.score(trainer, kept_inputs, prompts, completions, on_policy_ids)
     return OnPolicyScores([list(ids) for ids in on_policy_ids], completions, rewards,
                           [dict(row) for row in kept_inputs])
 
