@@ -317,7 +317,8 @@ class AnchorRollout:
                 yield
             return
         reference = trainer.reference
-        with reference.active(trainer.unwrapped_policy()), trl_generation.generating_with(trainer, reference.full_model):
+        routed = trl_generation.generating_with(trainer, reference.full_model)
+        with reference.active(trainer.unwrapped_policy()), routed:
             yield
 
     def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:

@@ -214,8 +214,8 @@ class ToolAnchorRollout(AnchorRollout):
             mask, messages, calls, failures = kept
             return Trajectory(list(completion_ids), list(mask), copy.deepcopy(messages), prompt, calls=calls,
                               failures=failures)
-        completions = trl_generation.decode_for_rewards(self.trainer, [prompt_ids], [completion_ids], [prompt],
-                                              trl_generation.row_tools(self.trainer, [row]))[0]
+        tools = trl_generation.row_tools(self.trainer, [row])
+        completions = trl_generation.decode_for_rewards(self.trainer, [prompt_ids], [completion_ids], [prompt], tools)[0]
         return Trajectory(list(completion_ids), [1] * len(completion_ids), completions, prompt)
 
     def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:
@@ -238,8 +238,9 @@ class ToolAnchorRollout(AnchorRollout):
         own tools and environment (``rows``: :class:`~armor_trl.integration.trl_generation.ToolRow`), through whatever
         model is routed into the generation path."""
         trainer = self.trainer
+        tools = trl_generation.row_tools(trainer, rows)
         completions = [MessageLog(c) for c in trl_generation.decode_for_rewards(trainer, prompt_ids, first_ids, prompts,
-                                                                      trl_generation.row_tools(trainer, rows))]
+                                                                                tools)]
         images, fields = trainer.media_for(prompt_ids)
         loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
         with trl_generation.tool_rows_as(trainer, rows), tool_turns(trainer):
@@ -297,7 +298,7 @@ class ToolAnchorRollout(AnchorRollout):
         environments = [t.environment for t in trajectories] if trl_generation.uses_environments(trainer) else None
         with trl_generation.environments_as(trainer, environments):
             rewards = trl_generation.score_quietly(trainer, candidate_inputs, [t.prompt for t in trajectories],
-                                         [t.completions for t in trajectories], candidate_ids)
+                                                   [t.completions for t in trajectories], candidate_ids)
         return candidate_ids, rewards
 
     def reward_prompts(self, rows: list[int], inputs: list[dict]) -> list:
