@@ -275,3 +275,17 @@ def test_anchor_cache_and_column_anchors_with_environments_are_refused(tool_mode
             build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(1, 9)), tools=(),
                                reward_funcs=answer_reward, environment_factory=counter_environment(registry), **setting)
 
+
+
+def test_a_same_call_round_runs_its_candidates_in_environments_of_their_own(tool_model, tool_tokenizer, tmp_path,
+                                                                            monkeypatch):
+    """π_ref = π_θ: the candidates are extra rows of the policy's call and loop, each still in its own instance."""
+    registry = Registry()
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(1, 9)), tools=(),
+                                 environment_factory=counter_environment(registry), reward_funcs=None, max_steps=1)
+    ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn).install(monkeypatch)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    assert logged(trainer, "armor/anchor_same_call") == [1.0]
+    check_anchor_environments(trainer, registry, batches, groups=2)
+    assert logged(trainer, "armor/anchor_reward_mean") == [1.0]

@@ -46,7 +46,7 @@ from armor_trl import ArmorConfig, ArmorGRPOTrainer, generate_completions
 from armor_trl.app.tool_testbed import add
 from armor_trl.reference.policy import REF_ADAPTER
 from armor_trl.rollout import anchor_rollout, anchor_waves
-from testing import cpu_args, logged, tool_call
+from testing import capture_rounds, cpu_args, kept_rows, logged, tool_call
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is experimental in TRL
 
@@ -384,19 +384,6 @@ def check_rows_keep_their_images(batch, processor) -> None:
         assert torch.equal(pixels.cpu(), expected["pixel_values"]), text
 
 
-def kept_rows(batch) -> list:
-    """The rows in the loss: (prompt ids, completion ids, advantage, anchor flag, tool mask), in batch order."""
-    rows = []
-    for i in torch.nonzero(batch["completion_mask"].sum(dim=1) > 0).flatten().tolist():
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
-        kept = batch["completion_mask"][i].bool()
-        completion = batch["completion_ids"][i][kept].tolist()
-        tools = batch["tool_mask"][i][kept].tolist() if "tool_mask" in batch else None
-        rows.append((prompt, completion, round(batch["advantages"][i].item(), 5), bool(batch["armor_is_anchor"][i]),
-                     tools))
-    return rows
-
-
 def check_tool_results_are_masked(batch, tokenizer, column: bool) -> None:
     """Every row of an agent's batch, anchors included, is a tool call, add's result for its own prompt (masked out
     of the loss: tool_mask 0) and an answer (the model's: tool_mask 1); an anchor from the dataset column, written
@@ -432,15 +419,7 @@ def train(row, output_dir, model_path, processing_class, monkeypatch, paper=Fals
     if row["processes"] == "two":  # the other process has two more groups to draw in every collective call
         for module in (anchor_waves, anchor_rollout):
             monkeypatch.setattr(module, "agreed_count", lambda trainer, local: local + 2)
-    batches = []
-    original = trainer._generate_and_score_completions
-
-    def recording(inputs):
-        batch = original(inputs)
-        batches.append({k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()})
-        return batch
-
-    trainer._generate_and_score_completions = recording
+    batches = capture_rounds(trainer)
     trainer.train(resume_from_checkpoint=resume_from)
     for batch in batches:
         if row["prompts"] == "vlm":

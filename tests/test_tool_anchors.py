@@ -328,3 +328,17 @@ def test_a_run_resumed_from_its_checkpoint_repeats_the_next_step_exactly(tool_mo
         assert torch.equal(resumed_batches[0][key], straight_batches[-1][key]), key
     assert logged(resumed, "loss")[-1] == pytest.approx(logged(straight, "loss")[-1])
     assert resumed.anchor_rollout.kept == straight.anchor_rollout.kept
+
+
+def test_without_anchors_the_policys_own_tool_loop_trains_with_the_mixed_ratio(tool_model, tool_tokenizer, tmp_path,
+                                                                               monkeypatch):
+    from testing import multiply_turn
+
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), use_anchors=False)
+    assert trainer.anchor_rollout is None
+    ToolFake(tool_tokenizer, trainer, policy_turn=multiply_turn(), policy_tools=True).install(monkeypatch)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    assert logged(trainer, "tools/call_frequency") == [1.0, 1.0]
+    assert all(not batch["armor_is_anchor"].any() and (batch["tool_mask"] == 0).any() for batch in batches)
+    assert "armor_ref_logps" in batches[0]  # π_ref's log-probs of the policy's own trajectories (the mixed ratio)

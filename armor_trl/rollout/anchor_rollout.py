@@ -24,6 +24,7 @@ from collections import Counter
 import torch
 
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import (AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask,
                       verifier_counts)
@@ -86,8 +87,7 @@ class AnchorRollout:
         self.on_policy_scores, eligible, deferred = None, None, None
         column = self.column is not None and self.column.active(self.trainer.reference.resets)
         if filters_groups(self.args) and not column:
-            self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots,
-                                                    self.reward_fields, self)
+            self.on_policy_scores = score_on_policy(self, inputs, prompt_ids, on_policy_ids, group_size, slots)
             eligible, deferred = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots,
                                                    self.defers_candidates())
         fillers = [on_policy_ids[g * (group_size - slots)] for g in range(len(firsts))]
@@ -112,7 +112,7 @@ class AnchorRollout:
 
     def reward_completions(self, prompt_ids: list, completion_ids: list, prompts: list) -> list:
         """The completions as TRL hands them to the reward functions (with tools: the trajectories' messages)."""
-        return seam.decode_for_rewards(self.trainer, prompt_ids, completion_ids, prompts)
+        return trl_generation.decode_for_rewards(self.trainer, prompt_ids, completion_ids, prompts)
 
     def same_call_applies(self) -> bool:
         """Whether this round's K candidates per group can be extra rows of the policy's generate call: π_ref holds
@@ -241,7 +241,8 @@ class AnchorRollout:
             best_candidate = own.max().item() if own.numel() else math.nan
             # (lazy waves leave undrawn candidates as None: only this round's drawn ones are decoded)
             drawn_ids = [ids for ids, taken in zip(candidate_ids[: len(used) * k], drawn.tolist()) if taken]
-            empty = torch.tensor([not text.strip() for text in seam.decode(trainer, drawn_ids, False)], dtype=torch.bool)
+            texts = trl_generation.decode(trainer, drawn_ids, False)
+            empty = torch.tensor([not text.strip() for text in texts], dtype=torch.bool)
             counts = verifier_counts(rewards[: len(used) * k][fresh], weights, args.anchor_reward_threshold, self.funcs,
                                      empty=empty)
             for position, g in enumerate(used):
@@ -291,8 +292,10 @@ class AnchorRollout:
         if candidate_ids is None:
             candidate_ids = self._reference_candidates(candidate_prompt_ids, k)
         prompts = [row["prompt"] for row in candidate_inputs]
-        completions = seam.decode(trainer, candidate_ids, seam.is_conversational_prompt(prompts[0]))
-        return candidate_ids, seam.score_quietly(trainer, candidate_inputs, prompts, completions, candidate_ids)
+        conversational = trl_generation.is_conversational_prompt(prompts[0])
+        completions = trl_generation.decode(trainer, candidate_ids, conversational)
+        return candidate_ids, trl_generation.score_quietly(trainer, candidate_inputs, prompts, completions,
+                                                           candidate_ids)
 
     def _reference_candidates(self, prompt_ids: list, k: int, inputs: list[dict] | None = None) -> list:
         """π_ref's completions: on the reference's own vLLM server when there is one, else on TRL's path (with the
@@ -302,7 +305,7 @@ class AnchorRollout:
         if trainer.reference_server is not None:
             return trainer.reference_server.generate(prompt_ids, k, trainer.unwrapped_policy())
         with self.reference_routed():
-            return seam.generate(trainer, prompt_ids, k)
+            return trl_generation.generate(trainer, prompt_ids, k)
 
     @contextlib.contextmanager
     def reference_routed(self):
@@ -314,7 +317,8 @@ class AnchorRollout:
                 yield
             return
         reference = trainer.reference
-        with reference.active(trainer.unwrapped_policy()), seam.generating_with(trainer, reference.full_model):
+        routed = trl_generation.generating_with(trainer, reference.full_model)
+        with reference.active(trainer.unwrapped_policy()), routed:
             yield
 
     def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:

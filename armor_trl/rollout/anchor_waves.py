@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.algorithm.advantages import dynamic_sampling_keep, total_rewards
 from armor_trl.rollout.anchors import policy_rows, verified_mask
 from armor_trl.reference.vllm_swap import reference_in_engine
@@ -123,28 +124,20 @@ def same_fields(row: dict, other: dict) -> bool:
     return True
 
 
-def score_on_policy(trainer, inputs: list[dict], prompt_ids: list, on_policy_ids: list, group_size: int,
-                    slots: int, row_fields=None, rollout=None) -> OnPolicyScores:
+def score_on_policy(rollout, inputs: list[dict], prompt_ids: list, on_policy_ids: list, group_size: int,
+                    slots: int) -> OnPolicyScores:
     """Score a round's on-policy rows with TRL's own scoring (``GRPOTrainer._calculate_rewards``: reward functions,
-    their logged metrics and completion columns, the gather over processes), as TRL would score them later.
-    ``row_fields(completion_ids)``: the fields TRL adds to a row's inputs before it scores them (a rollout_func's
-    extra fields), which this early scoring must hand the reward functions too. ``rollout``: the round's
-    AnchorRollout, which knows the prompts and completions TRL hands the reward functions (with tools: the
-    trajectories' messages)."""
-    rows = len(inputs)
+    their logged metrics and completion columns, the gather over processes), as TRL would score them later. The
+    round's AnchorRollout knows what TRL hands the reward functions with each row: the fields it adds to the row's
+    inputs (a rollout_func's extra fields: ``reward_fields``), its prompt and its completion (with tools: the
+    trajectory's messages)."""
+    trainer, rows = rollout.trainer, len(inputs)
     keep = policy_rows(rows, group_size, slots)
-    kept_inputs = [dict(inputs[i]) for i in keep]
-    if row_fields is not None:
-        kept_inputs = [{**row, **row_fields(ids)} for row, ids in zip(kept_inputs, on_policy_ids)]
-    kept_prompt_ids = [prompt_ids[i] for i in keep]
-    if rollout is not None:
-        prompts = rollout.reward_prompts(keep, inputs)
-        completions = rollout.reward_completions(kept_prompt_ids, on_policy_ids, prompts)
-    else:
-        prompts = [row["prompt"] for row in kept_inputs]
-        completions = seam.decode_for_rewards(trainer, kept_prompt_ids, on_policy_ids, prompts)
+    kept_inputs = [{**inputs[i], **rollout.reward_fields(ids)} for i, ids in zip(keep, on_policy_ids)]
+    prompts = rollout.reward_prompts(keep, inputs)
+    completions = rollout.reward_completions([prompt_ids[i] for i in keep], on_policy_ids, prompts)
     with seam.completion_columns_spread(trainer, keep, rows):
-        rewards = seam.score(trainer, kept_inputs, prompts, completions, on_policy_ids)
+        rewards = trl_generation.score(trainer, kept_inputs, prompts, completions, on_policy_ids)
     return OnPolicyScores([list(ids) for ids in on_policy_ids], completions, rewards,
                           [dict(row) for row in kept_inputs])
 

@@ -15,7 +15,7 @@ round itself, through TRL's own loop (``GRPOTrainer._tool_call_loop``), before a
    it), and scored on that instance by the reward functions and ``get_reward``.
 
 TRL's ``_generate`` then calls its loop on the round's rows; the trainer answers with the trajectories already run
-(:meth:`ToolAnchorRollout.finished_loop`): each row's own ``tool_mask``, messages, tool images, and TRL's tool-call
+(:func:`finished_loop`): each row's own ``tool_mask``, messages, tool images, and TRL's tool-call
 counts over the round. An anchor is a π_ref trajectory placed in its slot like a single-turn anchor: its tool_mask masks
 its tool results out of the mixed ratio, π_ref's and π_old's log-probs and the loss; its sampling log-probs are NaN.
 
@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from armor_trl.integration import trl_generation
 from armor_trl.integration import trl_seam as seam
 from armor_trl.rollout.anchor_rollout import AnchorRollout
 from armor_trl.rollout.anchors import policy_rows
+from armor_trl.rollout.rollout_func import RolloutFuncAnchors
 
 TOOL_ERROR = "{'error': "  # how TRL writes a failed tool call's result into its tool message
 
@@ -52,7 +54,6 @@ class Trajectory:
     tool_images: list = field(default_factory=list)
     environment: object = None  # the environment instance it ran in (None: tools without an environment)
     logprobs: list | None = None  # the engine's sampling log-probs (vLLM), None elsewhere
-
     calls: int = 0  # tool calls TRL ran for it (a result it dropped for overflowing the budget included)
     failures: int = 0  # of which failed (TRL's error result: an unknown tool, bad arguments, an exception)
 
@@ -91,21 +92,40 @@ def tool_turns(trainer):
         trainer._armor_tool_turns -= 1
 
 
+@dataclass
+class ToolRound:
+    """A generation round as the tool loop's hooks see it."""
+
+    prompts: list  # its chat prompts after the environments' resets (what the trajectories answer)
+    trajectories: list | None = None  # each row's trajectory, when the anchor rollout ran the round's loops
+
+
 class ToolLoopHooks:
-    """ArmorGRPOTrainer's hooks into TRL's tool loop (a mixin before GRPOTrainer): ``_generate`` keeps the round's
-    chat prompts (after the environments' resets: what the trajectories answer), and ``_tool_call_loop`` answers for
-    an anchored round whose trajectories the anchor rollout ran already; elsewhere TRL's loop runs, its turns marked
-    (:func:`in_tool_turns`)."""
+    """ArmorGRPOTrainer's hooks into TRL's tool loop (a mixin before GRPOTrainer): ``_generate`` starts each round's
+    :class:`ToolRound` (``trainer.tool_round``), and ``_tool_call_loop`` answers for an anchored round whose
+    trajectories the anchor rollout ran already; elsewhere TRL's loop runs, its turns marked (:func:`in_tool_turns`)."""
+
+    tool_round: ToolRound | None = None
 
     def _generate(self, prompts):
-        self._round.prompts = prompts
+        self.tool_round = ToolRound(prompts)
         return super()._generate(prompts)
 
     def _tool_call_loop(self, *loop_args):
-        if self._round.trajectories is not None:
-            return finished_loop(self._round.trajectories, *loop_args)
+        if self.tool_round is not None and self.tool_round.trajectories is not None:
+            return finished_loop(self.tool_round.trajectories, *loop_args)
         with tool_turns(self):
             return super()._tool_call_loop(*loop_args)
+
+
+def new_anchor_rollout(trainer, train_dataset, rollout_func=None) -> AnchorRollout:
+    """The anchor rollout of a trainer: a ``rollout_func``'s, TRL's tool loop's (``tools`` or ``environment_factory``;
+    with a ``rollout_func`` they are refused at construction), or TRL's single-turn generation's."""
+    if rollout_func is not None:
+        return RolloutFuncAnchors(trainer, train_dataset, rollout_func)
+    if trl_generation.uses_tools(trainer) or trl_generation.uses_environments(trainer):
+        return ToolAnchorRollout(trainer, train_dataset)
+    return AnchorRollout(trainer, train_dataset)
 
 
 class ToolAnchorRollout(AnchorRollout):
@@ -134,10 +154,10 @@ class ToolAnchorRollout(AnchorRollout):
         trainer = self.trainer
         rows = len(prompt_ids)
         self.trajectories, self._alive, self._handed_out = {}, [], {}
-        prompts = trainer._round.prompts
+        prompts = trainer.tool_round.prompts
         check_group_prompts(prompts, group_size)
         self._group_prompts = {tuple(prompt_ids[i]): prompts[i] for i in range(0, rows, group_size)}
-        round_rows = seam.round_tool_rows(trainer, rows)
+        round_rows = trl_generation.round_tool_rows(trainer, rows)
 
         def policy_trajectories(ids: list, n: int):
             first, logprobs = generate_policy(ids, n)
@@ -163,7 +183,7 @@ class ToolAnchorRollout(AnchorRollout):
         completion_ids, logprobs, anchors = super().generate(policy_trajectories, prompt_ids, group_size, inputs)
         trajectories = [self.trajectory(ids, prompt_ids[i], prompts[i], round_rows[i])
                         for i, ids in enumerate(completion_ids)]
-        trainer._round.trajectories = trajectories
+        trainer.tool_round.trajectories = trajectories
         self._log_tool_calls(trajectories, rows, anchors)
         return completion_ids, logprobs, anchors
 
@@ -194,7 +214,8 @@ class ToolAnchorRollout(AnchorRollout):
             mask, messages, calls, failures = kept
             return Trajectory(list(completion_ids), list(mask), copy.deepcopy(messages), prompt, calls=calls,
                               failures=failures)
-        completions = seam.parse_completions(self.trainer, [prompt_ids], [completion_ids], [row])[0]
+        tools = trl_generation.row_tools(self.trainer, [row])
+        completions = trl_generation.decode_for_rewards(self.trainer, [prompt_ids], [completion_ids], [prompt], tools)[0]
         return Trajectory(list(completion_ids), [1] * len(completion_ids), completions, prompt)
 
     def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:
@@ -214,14 +235,16 @@ class ToolAnchorRollout(AnchorRollout):
     # --- running trajectories ----------------------------------------------------------------------------------
     def _run(self, prompts: list, prompt_ids: list, first_ids: list, logprobs, rows: list) -> list[Trajectory]:
         """TRL's tool loop on first turns ``first_ids`` of ``prompt_ids`` (chat ``prompts``), each row with its
-        own tools and environment (``rows``: :class:`~armor_trl.integration.trl_seam.ToolRow`), through whatever
+        own tools and environment (``rows``: :class:`~armor_trl.integration.trl_generation.ToolRow`), through whatever
         model is routed into the generation path."""
         trainer = self.trainer
-        completions = [MessageLog(c) for c in seam.parse_completions(trainer, prompt_ids, first_ids, rows)]
+        tools = trl_generation.row_tools(trainer, rows)
+        completions = [MessageLog(c) for c in trl_generation.decode_for_rewards(trainer, prompt_ids, first_ids, prompts,
+                                                                                tools)]
         images, fields = trainer.media_for(prompt_ids)
         loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
-        with seam.tool_rows_as(trainer, rows), tool_turns(trainer):
-            mask, completions, ids, loop_logprobs, _, _, tool_images = seam.tool_call_loop(
+        with trl_generation.tool_rows_as(trainer, rows), tool_turns(trainer):
+            mask, completions, ids, loop_logprobs, _, _, tool_images = trl_generation.tool_call_loop(
                 trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids],
                 completions, loop_logprobs, images, fields)
         trajectories = []
@@ -239,26 +262,26 @@ class ToolAnchorRollout(AnchorRollout):
         as TRL resets the policy's; and its chat prompt, which must be its group's."""
         trainer = self.trainer
         group_prompt = self._group_prompts[tuple(prompt_ids)]
-        if not seam.uses_environments(trainer):
-            return seam.environment_tool_row(trainer, None, None), group_prompt
-        name = seam.environment_name(trainer, row)
+        if not trl_generation.uses_environments(trainer):
+            return trl_generation.environment_tool_row(trainer, None, None), group_prompt
+        name = trl_generation.environment_name(trainer, row)
         pool, handed = self.environment_pool.setdefault(name, []), self._handed_out.get(name, 0)
         if handed == len(pool):
-            pool.append(seam.new_environment(trainer, name))
+            pool.append(trl_generation.new_environment(trainer, name))
         self._handed_out[name] = handed + 1
         environment = pool[handed]
-        observation = environment.reset(**seam.reset_kwargs(trainer, row))
-        prompt = seam.prompt_after_reset(seam.default_prompt(trainer, row), observation)
+        observation = environment.reset(**trl_generation.reset_kwargs(trainer, row))
+        prompt = trl_generation.prompt_after_reset(trl_generation.default_prompt(trainer, row), observation)
         if prompt != group_prompt:
             raise not_reproducible(type(environment).__name__)
-        return seam.environment_tool_row(trainer, name, environment), prompt
+        return trl_generation.environment_tool_row(trainer, name, environment), prompt
 
     # --- AnchorRollout's candidates, as trajectories ---------------------------------------------------------------
     def _reference_candidates(self, prompt_ids: list, k: int, inputs: list[dict] | None = None) -> list:
         """π_ref's trajectories: the first turn and every turn after a tool result with π_ref routed in."""
         rows = [self._candidate_row(row, ids) for row, ids in zip(inputs, prompt_ids)]
         with self.reference_routed():
-            first = seam.generate(self.trainer, prompt_ids, k)
+            first = trl_generation.generate(self.trainer, prompt_ids, k)
             trajectories = self._run([prompt for _, prompt in rows], prompt_ids, first, None,
                                      [tool_row for tool_row, _ in rows])
         return [t.completion_ids for t in trajectories]
@@ -272,15 +295,15 @@ class ToolAnchorRollout(AnchorRollout):
         if candidate_ids is None:
             candidate_ids = self._reference_candidates(candidate_prompt_ids, k, candidate_inputs)
         trajectories = [self.trajectories[id(ids)] for ids in candidate_ids]
-        environments = [t.environment for t in trajectories] if seam.uses_environments(trainer) else None
-        with seam.environments_as(trainer, environments):
-            rewards = seam.score_quietly(trainer, candidate_inputs, [t.prompt for t in trajectories],
-                                         [t.completions for t in trajectories], candidate_ids)
+        environments = [t.environment for t in trajectories] if trl_generation.uses_environments(trainer) else None
+        with trl_generation.environments_as(trainer, environments):
+            rewards = trl_generation.score_quietly(trainer, candidate_inputs, [t.prompt for t in trajectories],
+                                                   [t.completions for t in trajectories], candidate_ids)
         return candidate_ids, rewards
 
     def reward_prompts(self, rows: list[int], inputs: list[dict]) -> list:
         """The chat prompts TRL hands the reward functions with these rows (after their environments' resets)."""
-        prompts = self.trainer._round.prompts
+        prompts = self.trainer.tool_round.prompts
         return [prompts[i] for i in rows]
 
     def reward_completions(self, prompt_ids: list, completion_ids: list, prompts: list) -> list:
