@@ -202,9 +202,10 @@ class ArmorConfig(GRPOConfig):
     dynamic_sampling_max_rounds: int = field(
         default=10,
         metadata={
-            "help": "Refill: while fewer groups than a generation batch holds were kept, draw as many new prompts "
-            "from the training set and generate again, at most this many generation rounds per generation batch "
-            "(DAPO's `max_num_gen_batches`). If still short, trains on what was kept (warned once)."
+            "help": "Refill: while fewer groups than a generation batch holds were kept, draw new prompts from the "
+            "training set (how many: `dynamic_sampling_refill`) and generate again, at most this many generation "
+            "rounds per generation batch (DAPO's `max_num_gen_batches`). If still short, trains on what was kept "
+            "(warned once)."
         },
     )
     dynamic_sampling_refill: str = field(
