@@ -5,11 +5,11 @@ For an ARMOR variant with dynamic sampling, at each M, per optimizer step:
 
     floor = grpo_dynamic's step
           + generation cost per row × (candidate rows + groups the gate dropped × on-policy rows per group)
-          + log-prob cost per row × rows that train (π_ref's forward; DAPO's loop runs at β = 0, so grpo_dynamic has none)
+          + log-prob cost per row × rows that train (π_ref's forward: the loop runs at β = 0, grpo_dynamic has none)
 
 The generation cost per row is grpo_dynamic's policy_gen over the policy rows it generated; the log-prob cost per row
-is the ``logp_price`` variant's ref_fwd over its log-prob rows (GRPO β 0.04: π_ref's pass, and π_old's at M > 1), both
-at the same M in the same run. What the floor leaves out is what the algorithm does not require: refill rounds beyond
+is the ``logp_price`` variant's ref_fwd over its log-prob rows (GRPO β 0.04: π_ref's pass, and π_old's at M > 1),
+both at the same M in the same run. What the floor leaves out is what the algorithm does not require: refill rounds beyond
 what is missing, a generate call's cost beyond its rows, and the bookkeeping around the candidates.
 """
 
@@ -83,7 +83,8 @@ def table(summary: dict) -> list:
                 rows.append(
                     f"| {name} | {m} | {f(entry['cost_per_step_s']['median'])} | {f(fl['over_base'], 2)} | "
                     f"{f(fl['floor_s'])} | {f(fl['measured_over_floor'], 2)} | {f(fl['candidate_rows'], 1)} | "
-                    f"{f(fl['gate_dropped_groups'], 2)} | {f(fl['policy_rows'], 1)} / {f(fl['base_policy_rows'], 1)} | "
+                    f"{f(fl['gate_dropped_groups'], 2)} | "
+                    f"{f(fl['policy_rows'], 1)} / {f(fl['base_policy_rows'], 1)} | "
                     f"{f(fl['gen_s_per_row'] * 1e3, 2)} | {f(fl['logp_s_per_row'] * 1e3, 2)} |")
     if not rows:
         return []

@@ -26,8 +26,9 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
 * ``other``        rest of the optimizer step: optimizer, scheduler, callbacks (reference resets), logging
 
 Besides the times, the work of each optimizer step (:data:`WORK`): TRL's generate calls for the policy's rows (one per
-generation round) and the rows they generate, generate calls for the anchor candidates (lazy waves: one per wave), and the rows of every log-prob
-forward pass made while generation batches are built (π_old's and π_ref's; not the loss's).
+generation round) and the rows they generate, generate calls for the anchor candidates (lazy waves: one per wave),
+and the rows of every log-prob forward pass made while generation batches are built (π_old's and π_ref's; not the
+loss's).
 """
 
 from __future__ import annotations
