@@ -113,6 +113,6 @@ def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
     for target in config.regime.get("targets", []):
         if target["variant"] not in config.regime["variants"] or target["base"] not in config.regime["variants"]:
             raise ValueError(f"{path}: regime target {target}: variant and base must be regime variants")
-        if target["quantity"] not in ("step", "rss") or not (target["m"] == "all" or isinstance(target["m"], int)):
-            raise ValueError(f"{path}: regime target {target}: quantity is step or rss, m an integer or 'all'")
+        if target["quantity"] not in ("step", "rss", "floor") or not (target["m"] == "all" or isinstance(target["m"], int)):
+            raise ValueError(f"{path}: regime target {target}: quantity is step, rss or floor, m an integer or 'all'")
     return config
