@@ -4,7 +4,7 @@
 # candidates, lazy waves in the loop and out of it, armor_full; M = 1 and 16, 3 repetitions, the regime runs only, at
 # mixed share 0.5 (SHARES="0.3 0.5 0.8" for more): one bench run per share in results/bench_dynamic[_vllm]/share_<S>/.
 #
-#   scripts/bench_dynamic.sh            # transformers generation: `make bench` (about 12 minutes on 2 quiet cores)
+#   scripts/bench_dynamic.sh            # transformers generation: `make bench` (about 6-8 minutes on 2 quiet cores)
 #   scripts/bench_dynamic.sh --vllm     # TRL's colocated vLLM engine on the CPU: `make bench-vllm` (needs .venv-vllm;
 #                                       # about 20-30 minutes: every run starts a compiled engine)
 #   SHARES="0.3 0.5" scripts/bench_dynamic.sh --regime-reps 2   # further arguments go to the bench
