@@ -152,11 +152,11 @@ def main(argv: list | None = None) -> int:
         from benchmarks import cli
 
         smoke = "--smoke" in extra or ("--preset" in extra and extra[extra.index("--preset") + 1 :][:1] != ["full"])
-        if not smoke:
+        if not smoke and "--dry-run" not in extra:
             check_pages()  # before a run of many minutes, not after it
         out = Path(args.out)
         status = cli.main(bench_arguments(config.load(), out) + extra)
-        if status:
+        if status or "--dry-run" in extra:
             return status
         write(out / "bench.json")
     return 0
