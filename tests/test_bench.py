@@ -22,13 +22,15 @@ BENCH = [sys.executable, "-m", "benchmarks"]
 CONFIGS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
     "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible", "armor_dynamic_lazy", "armor_dynamic_keep",
-    "armor_dynamic_deferred", "armor_dynamic_deferred_lazy", "armor_lazy", "armor_same_call", "armor_same_call_lora",
+    "armor_dynamic_deferred", "grpo_dynamic_batch", "armor_dynamic_deferred_batch", "armor_dynamic_deferred_lazy",
+    "armor_lazy", "armor_same_call", "armor_same_call_lora",
     "armor_column", "armor_column_lora",
 ]
 REGIME_VARIANTS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_column", "armor_same_call", "grpo_b004_lora", "armor_lora",
     "armor_column_lora", "armor_same_call_lora", "armor_lazy", "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible",
     "armor_dynamic_lazy", "armor_dynamic_keep", "armor_dynamic_deferred", "armor_dynamic_deferred_lazy",
+    "grpo_dynamic_batch", "armor_dynamic_deferred_batch",
 ]
 ANCHOR_WORK = ["candidate_rows_per_step", "candidates_scored_per_step", "anchors_per_step", "candidate_rows_per_anchor",
                "eligible_share", "deferred_groups_per_step", "mixed_share"]
