@@ -25,7 +25,7 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
 * ``push_policy``  with vLLM: TRL's pushes of the policy's weights (its ``sync_weights`` at a rollout after an
                    optimizer step, and after an anchor call), taken out of ``policy_gen``
 * ``policy_tools`` with tools (TRL's tool loop): the training rows' turns after their first (the tools run, each
-                   later generation), for GRPO TRL's ``_tool_call_loop``, for ARMOR ``trl_seam.tool_call_loop``
+                   later generation), for GRPO TRL's ``_tool_call_loop``, for ARMOR ``trl_generation.tool_call_loop``
                    (an anchored round runs the rows' loops in its rollout), taken out of ``gen_other`` /
                    ``anchor_score``
 * ``anchor_tools`` with tools: π_ref's candidates' turns after their first (TRL's loop inside
@@ -33,8 +33,9 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
 * ``other``        rest of the optimizer step: optimizer, scheduler, callbacks (reference resets), logging
 
 Besides the times, the work of each optimizer step (:data:`WORK`): TRL's generate calls for the policy's rows (one per
-generation round), generate calls for the anchor candidates (lazy waves: one per wave), and the rows of every log-prob
-forward pass made while generation batches are built (π_old's and π_ref's; not the loss's).
+generation round) and the rows they generate, generate calls for the anchor candidates (lazy waves: one per wave),
+and the rows of every log-prob forward pass made while generation batches are built (π_old's and π_ref's; not the
+loss's).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from collections import defaultdict
 
 PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
          "push_policy", "policy_tools", "anchor_tools", "other")
-WORK = ("policy_calls", "anchor_calls", "logp_rows")
+WORK = ("policy_calls", "policy_rows", "anchor_calls", "logp_rows")
 
 
 def rss_mb() -> float:
@@ -111,6 +112,7 @@ class Timers:
 def work(calls: dict, rows: dict) -> dict:
     """One step's :data:`WORK` from its call and row counts per timer key."""
     return {"policy_calls": calls.get("policy_generate", calls.get("gen_single_turn", 0)),
+            "policy_rows": rows.get("policy_generate", rows.get("gen_single_turn", 0)),
             "anchor_calls": calls.get("anchor_generate", 0) + calls.get("anchor_generate_after", 0),
             "logp_rows": rows.get("ref_fwd_armor", 0) + rows.get("logps_in_gen", 0)}
 
@@ -125,7 +127,8 @@ def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
     t._generate_and_score_completions = timers.wrap(t._generate_and_score_completions, "gs_total", flag="gen")
     # (a tool loop's later turns call it again from inside: timed as the loop's, below)
     t._generate_single_turn = timers.wrap(t._generate_single_turn, None, flag="single_turn",
-                                          key_fn=lambda: None if "tool_turns" in timers.flags else "gen_single_turn")
+                                          key_fn=lambda: None if "tool_turns" in timers.flags else "gen_single_turn",
+                                          rows_fn=lambda args, result: len(args[0]))  # (prompt_ids, ...)
     if t.tools:  # TRL's tool loop (ARMOR's hook answers an anchored round's call with the trajectories it ran)
         t._tool_call_loop = timers.wrap(t._tool_call_loop, None, flag="tool_turns", key_fn=tool_turns_key(timers))
     t._calculate_rewards = timers.wrap(t._calculate_rewards, "rewards")
@@ -191,11 +194,12 @@ def _instrument_seam(timers: Timers) -> None:
     GRPOTrainer._generate_single_turn = timers.wrap(
         GRPOTrainer._generate_single_turn, None,
         key_fn=lambda: None if {"anchor_gen", "tool_turns"} & timers.flags else "policy_generate",
+        rows_fn=lambda args, result: len(args[1]),  # (trainer, prompt_ids, ...)
     )
     # tools: the rollout's loops (the rows' and the candidates'), and the candidates' part of them
     from armor_trl.rollout.tool_anchors import ToolAnchorRollout
 
-    trl_seam.tool_call_loop = timers.wrap(trl_seam.tool_call_loop, None, flag="tool_turns",
+    trl_generation.tool_call_loop = timers.wrap(trl_generation.tool_call_loop, None, flag="tool_turns",
                                           key_fn=tool_turns_key(timers))
     ToolAnchorRollout._reference_candidates = timers.wrap(ToolAnchorRollout._reference_candidates, None,
                                                           flag="candidates", key_fn=lambda: "candidates")
