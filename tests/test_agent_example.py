@@ -16,14 +16,13 @@ from testing import REPO, logged
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 RECIPE = REPO / "configs" / "tool_agent_tiny.yaml"
-WARM_STEPS = 300  # the example's warm start (docs/agents.md)
-
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
+    """The example's agent, its default warm start (docs/agents.md)."""
     from armor_trl.app.tool_testbed import build_tool_agent
 
-    return build_tool_agent(tmp_path_factory.mktemp("tool-agent"), steps=WARM_STEPS)
+    return build_tool_agent(tmp_path_factory.mktemp("tool-agent"))
 
 
 def test_a_warm_start_conversation_learns_the_model_turns_only(tool_tokenizer):

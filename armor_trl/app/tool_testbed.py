@@ -1,6 +1,6 @@
 """A tiny tool-calling agent for the CPU: the character-level Llama of :mod:`armor_trl.app.tiny` (its tool-calling chat
-template) warm-started, supervised, to solve the arithmetic task ``"12+35="`` by calling an exact ``add(a, b)`` tool
-through TRL's tool loop and answering with its result (docs/agents.md).
+template) warm-started, supervised, to solve the arithmetic task (``"3+5="``; ``digits`` per operand) by calling an exact
+``add(a, b)`` tool through TRL's tool loop and answering with its result (docs/agents.md).
 
 The warm start's conversations, per problem (shares set by :func:`build_tool_agent`'s arguments):
 
@@ -97,7 +97,7 @@ def supervised_example(tokenizer, messages: list[dict]) -> tuple[list[int], list
     return ids, labels
 
 
-def warm_start_examples(tokenizer, n: int, seed: int, digits: int = 2, wrong_name_share: float = 0.2,
+def warm_start_examples(tokenizer, n: int, seed: int, digits: int = 1, wrong_name_share: float = 0.2,
                         direct_share: float = 0.2) -> list[tuple[list[int], list[int]]]:
     """``n`` supervised examples on random ``digits``-digit problems, each solved one of the three ways."""
     rng = random.Random(seed)
@@ -111,8 +111,8 @@ def warm_start_examples(tokenizer, n: int, seed: int, digits: int = 2, wrong_nam
     return examples
 
 
-def build_tool_agent(path: str | os.PathLike, steps: int = 300, seed: int = 0, hidden_size: int = 64,
-                     num_layers: int = 2, batch_size: int = 32, learning_rate: float = 3e-3, digits: int = 2,
+def build_tool_agent(path: str | os.PathLike, steps: int = 800, seed: int = 0, hidden_size: int = 64,
+                     num_layers: int = 2, batch_size: int = 32, learning_rate: float = 3e-3, digits: int = 1,
                      wrong_name_share: float = 0.2, direct_share: float = 0.2, threads: int | None = 1) -> str:
     """Write the warm-started tool agent to ``path`` (model and tool-calling tokenizer, ``save_pretrained``); return
     the path. ``steps`` supervised steps of ``batch_size`` conversations (fresh problems each step), AdamW at
@@ -155,10 +155,11 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description="Write the warm-started tiny tool agent (docs/agents.md).")
     parser.add_argument("output", help="folder to write the model and its tokenizer to")
-    parser.add_argument("--steps", type=int, default=300, help="supervised warm-start steps")
+    parser.add_argument("--steps", type=int, default=800, help="supervised warm-start steps")
+    parser.add_argument("--digits", type=int, default=1, help="digits per operand of the warm start's problems")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    print(build_tool_agent(args.output, steps=args.steps, seed=args.seed))
+    print(build_tool_agent(args.output, steps=args.steps, seed=args.seed, digits=args.digits))
 
 
 if __name__ == "__main__":
