@@ -301,23 +301,13 @@ def settings(row: dict, paper: bool = False) -> dict:
 
 
 class AddEnvironment:
-    """environment_factory's environment: reset with the row (nothing to show), its method ``add`` a tool."""
+    """environment_factory's environment: reset with the row (nothing to show), its method ``add`` (the tool testbed's)
+    a tool."""
+
+    add = staticmethod(add)
 
     def reset(self, **kwargs):
         self.row = kwargs
-
-    def add(self, a: int, b: int) -> int:
-        """
-        Adds two integers exactly.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-
-        Returns:
-            The sum.
-        """
-        return add(a, b)
 
 
 @pytest.fixture(scope="module")
