@@ -200,7 +200,7 @@ def _instrument_seam(timers: Timers) -> None:
     from armor_trl.rollout.tool_anchors import ToolAnchorRollout
 
     trl_generation.tool_call_loop = timers.wrap(trl_generation.tool_call_loop, None, flag="tool_turns",
-                                          key_fn=tool_turns_key(timers))
+                                                key_fn=tool_turns_key(timers))
     ToolAnchorRollout._reference_candidates = timers.wrap(ToolAnchorRollout._reference_candidates, None,
                                                           flag="candidates", key_fn=lambda: "candidates")
 
