@@ -138,7 +138,7 @@ class ToolAnchorRollout(AnchorRollout):
         self._alive: list = []  # the completion-id lists those ids belong to, kept for the round
         self.environment_pool: dict = {}  # {environment name: instances} for π_ref's candidates only
         self._handed_out: dict = {}  # {environment name: instances handed out this round}
-        self._group_prompts: dict = {}  # this round: a group's prompt ids -> its chat prompt (after reset)
+        self._group_prompts: dict = {}  # this round: id() of a group's (first) row -> its chat prompt (after reset)
         # the cache's trajectories (tools without environments): completion ids -> (tool_mask, messages, calls,
         # failures); a cached anchor keeps the tool_mask of the loop that made it (checkpointed with the cache)
         self.kept: dict[tuple, tuple] = {}
@@ -156,7 +156,7 @@ class ToolAnchorRollout(AnchorRollout):
         self.trajectories, self._alive, self._handed_out = {}, [], {}
         prompts = trainer.tool_round.prompts
         check_group_prompts(prompts, group_size)
-        self._group_prompts = {tuple(prompt_ids[i]): prompts[i] for i in range(0, rows, group_size)}
+        self._group_prompts = {id(inputs[i]): prompts[i] for i in range(0, rows, group_size)}
         round_rows = trl_generation.round_tool_rows(trainer, rows)
 
         def policy_trajectories(ids: list, n: int):
@@ -168,12 +168,12 @@ class ToolAnchorRollout(AnchorRollout):
             else:
                 layout = [(i, None) for i in policy_rows(rows, group_size, self.slots_per_group)]
             tool_rows, row_prompts = [], []
-            for (row, candidate_of), ids_ in zip(layout, ids):
+            for row, candidate_of in layout:
                 if row is not None:
                     tool_rows.append(round_rows[row])
                     row_prompts.append(prompts[row])
                 else:
-                    tool_row, prompt = self._candidate_row(candidate_of, ids_)
+                    tool_row, prompt = self._candidate_row(candidate_of)
                     tool_rows.append(tool_row)
                     row_prompts.append(prompt)
             trajectories = self._run(row_prompts, ids, first, logprobs, tool_rows)
@@ -257,11 +257,11 @@ class ToolAnchorRollout(AnchorRollout):
             trajectories.append(trajectory)
         return trajectories
 
-    def _candidate_row(self, row: dict, prompt_ids: list):
+    def _candidate_row(self, row: dict):
         """A candidate's tools and environment: an instance of its row's environment of its own, reset with the row
-        as TRL resets the policy's; and its chat prompt, which must be its group's."""
+        (its group's first) as TRL resets the policy's; and its chat prompt, which must be its group's."""
         trainer = self.trainer
-        group_prompt = self._group_prompts[tuple(prompt_ids)]
+        group_prompt = self._group_prompts[id(row)]
         if not trl_generation.uses_environments(trainer):
             return trl_generation.environment_tool_row(trainer, None, None), group_prompt
         name = trl_generation.environment_name(trainer, row)
@@ -279,7 +279,7 @@ class ToolAnchorRollout(AnchorRollout):
     # --- AnchorRollout's candidates, as trajectories ---------------------------------------------------------------
     def _reference_candidates(self, prompt_ids: list, k: int, inputs: list[dict] | None = None) -> list:
         """π_ref's trajectories: the first turn and every turn after a tool result with π_ref routed in."""
-        rows = [self._candidate_row(row, ids) for row, ids in zip(inputs, prompt_ids)]
+        rows = [self._candidate_row(row) for row in inputs]
         with self.reference_routed():
             first = trl_generation.generate(self.trainer, prompt_ids, k)
             trajectories = self._run([prompt for _, prompt in rows], prompt_ids, first, None,
