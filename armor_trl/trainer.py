@@ -31,7 +31,7 @@ from armor_trl.integration import checks
 from armor_trl.integration import trl_seam as seam
 from armor_trl.integration import trl_generation
 from armor_trl.integration import vllm_engine
-from armor_trl.rollout.anchor_rollout import AnchorRollout, reward_func_mask
+from armor_trl.rollout.anchor_rollout import reward_func_mask
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import AnchorRound
 from armor_trl.rollout.batch_logprobs import add_logprobs, skips_round_logps
@@ -48,7 +48,7 @@ from armor_trl.rewards.modes import resolve_classifier, resolve_prompt_classifie
 from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
 from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
 from armor_trl.rewards.checks import checked
-from armor_trl.rollout.rollout_func import RolloutFuncAnchors
+from armor_trl.rollout.tool_anchors import ToolLoopHooks, in_tool_turns, new_anchor_rollout
 from armor_trl.rewards import math_verify_reward, verifier_timeouts
 from armor_trl.reference.vllm_server import ReferenceServer
 
@@ -73,7 +73,7 @@ def model_card_settings(args: ArmorConfig) -> str:
     return "\n## ARMOR settings\n\n| field | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
-class ArmorGRPOTrainer(GRPOTrainer):
+class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
     """Drop-in replacement for ``trl.GRPOTrainer`` that trains with ARMOR (arXiv 2607.10481).
 
     Takes every argument of ``GRPOTrainer`` (with an [`ArmorConfig`] as ``args``) plus ``ref_model``:
@@ -171,11 +171,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
             for func, name in zip(self.reward_funcs, self.reward_func_names)
         ]
         checks.check_built(self)
-        if args.use_anchors and self._user_rollout_func is not None:
-            self.anchor_rollout = RolloutFuncAnchors(self, train_dataset, self._user_rollout_func)
-            self.rollout_func = self._armor_rollout_func  # (TRL calls self.rollout_func(prompts, self))
-        elif args.use_anchors:
-            self.anchor_rollout = AnchorRollout(self, train_dataset)
+        if args.use_anchors:  # a rollout_func's, the tool loop's or TRL's single-turn generation's
+            self.anchor_rollout = new_anchor_rollout(self, train_dataset, self._user_rollout_func)
+            if self._user_rollout_func is not None:
+                self.rollout_func = self._armor_rollout_func  # (TRL calls self.rollout_func(prompts, self))
         if self.anchor_rollout is not None:
             self.anchor_rollout.register(self.armor_state)
         self.reference = build_reference(self, ref_model, ref_copy, quantization_config)
@@ -267,10 +266,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
             batch["old_per_token_logps"][rows] = self._completion_logps(self.model, take_rows(batch, rows))
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if self.reference is not None:
+        parent, tool_turn = super()._generate_single_turn, in_tool_turns(self)  # (tool_turn: after a tool result)
+        if self.reference is not None and not tool_turn:  # (TRL's loop keeps tool turns within the context itself)
             checks.check_prompt_lengths(self.model, prompt_ids, self.max_completion_length)
-        parent = super()._generate_single_turn
-        if self._round.inputs is None:
+        if self._round.inputs is None or tool_turn:  # (π_ref's candidates' tool turns: π_ref is routed in)
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if images is not None or multimodal_fields:  # a VLM round: each call gets its own rows' images
             self._round.media = RowMedia(prompt_ids, images, multimodal_fields)

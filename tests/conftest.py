@@ -68,6 +68,17 @@ def tiny_tokenizer(tiny_model_path):
     return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory) -> str:
+    """The tiny model with a tool-calling chat template (armor_trl.app.tiny.build_tool_tokenizer)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tool-model"), tools=True)
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer(tool_model):
+    return AutoTokenizer.from_pretrained(tool_model)
+
+
 @pytest.fixture
 def prompt_dataset() -> Dataset:
     return Dataset.from_dict(

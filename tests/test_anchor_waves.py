@@ -245,7 +245,7 @@ class FakeRollout:
         self.args = SimpleNamespace(anchor_reward_threshold=1.0, anchor_selection=selection)
         self.funcs = None
 
-    def _reference_candidates(self, prompt_ids, k):
+    def _reference_candidates(self, prompt_ids, k, inputs=None):
         self.rows_per_call.append(len(prompt_ids))
         return [[int(torch.multinomial(CONTENTS, 1, generator=self.generator))] for _ in prompt_ids]
 
@@ -398,8 +398,8 @@ def test_lora_reference_draws_waves_with_the_ref_adapter(tiny_model_path, tiny_t
                            anchor_fail_after_rounds=0, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     adapters = []
     generate = trainer.anchor_rollout._reference_candidates
-    trainer.anchor_rollout._reference_candidates = lambda ids, k: adapters.append(trainer.model.active_adapter) or \
-        generate(ids, k)
+    trainer.anchor_rollout._reference_candidates = lambda ids, k, inputs=None: \
+        adapters.append(trainer.model.active_adapter) or generate(ids, k, inputs)
     trainer.train()
     counts = trainer.anchor_rollout.counts
     assert counts["candidate_rows"] > 0 and counts["candidate_rows"] <= K * counts["eligible_groups"]

@@ -25,9 +25,9 @@ def record_decisions(trainer):
         decisions.append({"step": trainer.state.global_step, "engaged": engaged, "equal": equal, "separate": 0})
         return engaged
 
-    def separately(prompt_ids, k):
+    def separately(prompt_ids, k, inputs=None):
         decisions[-1]["separate"] += 1
-        return separate(prompt_ids, k)
+        return separate(prompt_ids, k, inputs)
 
     rollout.same_call_applies, rollout._reference_candidates = deciding, separately
     return decisions

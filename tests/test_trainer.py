@@ -306,46 +306,6 @@ def test_vllm_without_vllm_installed_says_how_to_install(tiny_model_path, tiny_t
         pytest.skip("vllm is installed here; tests/test_vllm_gpu.py covers it")
 
 
-def test_tools_with_anchors_are_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    def add(a: int, b: int) -> int:
-        """Add two numbers.
-
-        Args:
-            a: first
-            b: second
-        """
-        return a + b
-
-    with pytest.raises(ValueError, match="not supported with tools: an anchor would be a whole multi-turn π_ref "
-                                         "trajectory.*use_anchors=False.*rollout_func.*env_mask"):
-        ArmorGRPOTrainer(
-            model=tiny_model_path, reward_funcs=has_digit_reward, args=ArmorConfig(output_dir=str(tmp_path), **cpu_args()),
-            train_dataset=prompt_dataset, processing_class=tiny_tokenizer, tools=[add],
-        )
-
-
-def test_environment_factory_with_anchors_is_refused_naming_why_and_what_works(tiny_model_path, tiny_tokenizer,
-                                                                              prompt_dataset, tmp_path):
-    class Counter:
-        def reset(self, **kwargs):
-            return None
-
-        def increment(self, step: int) -> int:
-            """Add to the counter.
-
-            Args:
-                step: how much
-            """
-            return step
-
-    with pytest.raises(ValueError, match="not supported with environment_factory: an anchor would be a whole π_ref "
-                                         "trajectory in an environment of its own.*use_anchors=False.*rollout_func"):
-        ArmorGRPOTrainer(
-            model=tiny_model_path, reward_funcs=has_digit_reward, args=ArmorConfig(output_dir=str(tmp_path), **cpu_args()),
-            train_dataset=prompt_dataset, processing_class=tiny_tokenizer, environment_factory=Counter,
-        )
-
-
 def test_ref_model_with_lora_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     with pytest.raises(ValueError, match="ref_model"):
         make_trainer(

@@ -149,7 +149,8 @@ def test_the_surface_lists_every_private_name_the_generation_half_touches(tiny_m
                                                                          prompt_dataset, tmp_path):
     """trl_generation touches TRL's private names only through the lists check_trl_surface checks."""
     private = private_names_of_grpo_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
-    listed = {*trl_seam.OVERRIDDEN, *trl_seam.CALLED, *trl_seam.ATTRIBUTES, *trl_seam.VLLM_ATTRIBUTES}
+    listed = {*trl_seam.OVERRIDDEN, *trl_seam.CALLED, *trl_seam.ATTRIBUTES, *trl_seam.VLLM_ATTRIBUTES,
+              *trl_seam.TOOL_ATTRIBUTES}
     tree = ast.parse(Path(trl_generation.__file__).read_text())
     touched = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in private}
     assert {"_generate_single_turn", "_calculate_rewards", "_tokenizer"} <= touched  # the scan sees them

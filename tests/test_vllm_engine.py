@@ -193,6 +193,45 @@ def test_armor_full_model_engine_serves_reference_for_anchors_and_policy_for_rol
     assert len(logged(trainer, "armor/anchor_found_frac")) == 3
 
 
+def test_tool_anchors_run_every_turn_of_the_candidates_on_pi_refs_weights(tmp_path_factory, tmp_path):
+    """TRL's tool loop with anchors on the real engine: the engine's log-probs tell whose weights served each call;
+    what a call returns is then scripted by who served it (π_ref: call the tool, then answer with its result; the
+    policy: answer at once), so that tool turns happen with a random tiny model."""
+    from armor_trl import ArmorConfig, ArmorGRPOTrainer
+    from armor_trl.app.tiny import build_tool_tokenizer
+    from testing import ToolFake, anchor_rows, answer_reward, capture_rounds, chat_numbers, multiply, row_text
+
+    path = build_tiny_model(tmp_path_factory.mktemp("vllm_tool"), hidden_size=128, tools=True)
+    reference = build_tiny_model(tmp_path_factory.mktemp("vllm_tool_reference"), hidden_size=128, tools=True, seed=1)
+    tokenizer = build_tool_tokenizer()
+    args = ArmorConfig(str(tmp_path), **cpu_args(**{**ENGINE, "max_completion_length": 96, "max_steps": 1,
+                                                    "anchor_num_samples": 2}))
+    STARTED.append(ArmorGRPOTrainer(model=path, reward_funcs=answer_reward, args=args, processing_class=tokenizer,
+                                    train_dataset=chat_numbers(range(8)), tools=[multiply], ref_model=reference))
+    trainer = STARTED[-1]
+    engine, fake = EngineCalls(trainer), ToolFake(tokenizer, trainer)
+    served_by_engine = trainer.vllm_generation.generate
+    prompts_seen = []
+
+    def scripted(prompts, images, num_generations, profiler=None):
+        out = served_by_engine(prompts, images, num_generations, profiler)
+        texts = [tokenizer.decode(ids) for ids in prompts]
+        prompts_seen.append(texts)
+        reference = engine.calls[-1][0] == "reference"
+        ids = [tokenizer(fake.text(reference, text), add_special_tokens=False)["input_ids"] for text in texts]
+        return out[0], ids, [[[-0.5] for _ in row] for row in ids], out[3]
+
+    trainer.vllm_generation.generate = scripted
+    batches = capture_rounds(trainer)
+    trainer.train()
+    # π_ref is another model: the rollouts on π_θ, then the candidates' first turns and their turns after a tool
+    # result, both on π_ref's weights
+    assert engine.calls == [("policy", 6), ("reference", 4), ("reference", 4)], engine.distances
+    assert all("\nt:" in text for text in prompts_seen[-1])
+    rows = anchor_rows(batches[-1])
+    assert len(rows) == 2 and all(row_text(tokenizer, batches[-1], row, 0).startswith("\nt:") for row in rows)
+
+
 def test_armor_lora_engine_gets_the_merged_ref_adapter_for_anchors(model_path, tokenizer, prompt_dataset, tmp_path):
     trainer = vllm_trainer(model_path, tokenizer, prompt_dataset, tmp_path, max_steps=3, anchor_num_samples=2,
                            reward_funcs=digit_share_reward, anchor_reward_threshold=0.1,  # graded: groups vary

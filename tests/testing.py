@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
+from transformers import LlamaForCausalLM, TrainerCallback
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from armor_trl.integration import trl_generation
+from armor_trl.reference.policy import REF_ADAPTER
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"  # what the tests launch in subprocesses (torchrun, accelerate, a killed run)
@@ -190,6 +194,139 @@ def load_gpu_check():
 def write_parquet(path, rows):
     Dataset.from_list(rows).to_parquet(str(path))
     return str(path)
+
+
+# --- tools and environments (tests/test_tool_anchors.py, tests/test_environment_anchors.py) -------------------------
+G = 4  # num_generations of build_tool_trainer
+
+
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product.
+    """
+    return a * b
+
+
+async def async_multiply(a: int, b: int) -> int:
+    return multiply(a, b)
+
+
+async_multiply.__doc__ = multiply.__doc__  # (TRL reads a tool's schema from its docstring)
+
+
+def chat_numbers(numbers) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{n}*3?"}] for n in numbers],
+                              "answer": [str(3 * n) for n in numbers]})
+
+
+def answer_reward(completions, answer, **kwargs):
+    """1 when the last assistant message states the answer."""
+    return [float(completion[-1]["role"] == "assistant" and completion[-1]["content"].strip() == expected)
+            for completion, expected in zip(completions, answer)]
+
+
+def tool_call(name: str, **arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call></s>"
+
+
+def last_tool_result(prompt_text: str) -> str | None:
+    results = re.findall(r"\nt:(\S+)\n", prompt_text)
+    return results[-1] if results else None
+
+
+def multiply_turn(tool_name="multiply"):
+    """π_ref's turn on "n*3?": call ``tool_name`` with (n, 3), then answer with its result."""
+
+    def turn(prompt_text: str) -> str:
+        result = last_tool_result(prompt_text)
+        if result is not None:
+            return f"{result}</s>"
+        return tool_call(tool_name, a=int(re.search(r"u:(\d+)\*", prompt_text).group(1)), b=3)
+
+    return turn
+
+
+class ToolFake:
+    """A deterministic generator at the model: ``policy_turn`` and ``reference_turn`` map a prompt's text (everything
+    the model sees, tool results included) to what the policy / π_ref says. By default the policy answers "7" at once
+    (no tool call) and π_ref calls ``multiply`` and answers with its result. Every call is recorded: (π_ref's?, the
+    prompt texts)."""
+
+    def __init__(self, tokenizer, trainer, tool_name="multiply", reference_turn=None, policy_turn=None,
+                 policy_tools=False):
+        self.tokenizer, self.trainer, self.policy_tools = tokenizer, trainer, policy_tools
+        self.reference_turn = reference_turn or multiply_turn(tool_name)
+        self.policy_turn = policy_turn or (lambda text: "7</s>")
+        self.calls = []
+
+    def is_reference(self, model) -> bool:
+        reference = self.trainer.reference
+        if reference.kind == "full":
+            return model is reference.model
+        return self.trainer.model.active_adapter == REF_ADAPTER
+
+    def text(self, reference: bool, prompt_text: str) -> str:
+        return (self.reference_turn if reference else self.policy_turn)(prompt_text)
+
+    def completions(self, model, prompts: list[list[int]]) -> list[list[int]]:
+        texts = [self.tokenizer.decode(ids) for ids in prompts]
+        reference = self.is_reference(model)
+        self.calls.append((reference, texts))
+        # a same-call round: the policy's call holds G - 1 + K rows per prompt, the last K being π_ref's candidates
+        per_prompt = Counter(texts)
+        same_call = not reference and set(per_prompt.values()) == {G - 1 + self.trainer.args.anchor_num_samples}
+        seen, out = Counter(), []
+        for text in texts:
+            seen[text] += 1
+            # (the policy here never calls a tool: a turn after a tool result in its call continues a candidate)
+            candidate = same_call and seen[text] > G - 1 or not self.policy_tools and last_tool_result(text) is not None
+            out.append(self.tokenizer(self.text(reference or candidate, text), add_special_tokens=False)["input_ids"])
+        width = max(map(len, out))
+        return [ids + [self.tokenizer.pad_token_id] * (width - len(ids)) for ids in out]
+
+    def install(self, monkeypatch, model_class=LlamaForCausalLM):
+        fake = self
+
+        def generate(model, input_ids=None, attention_mask=None, **kwargs):
+            prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+            return torch.cat([input_ids, torch.tensor(fake.completions(model, prompts))], dim=1)
+
+        def generate_batch(model, inputs, **kwargs):
+            return {f"req_{i}": SimpleNamespace(generated_tokens=[t for t in ids if t != fake.tokenizer.pad_token_id])
+                    for i, ids in enumerate(fake.completions(model, [list(ids) for ids in inputs]))}
+
+        monkeypatch.setattr(model_class, "generate", generate)
+        monkeypatch.setattr(model_class, "generate_batch", generate_batch)
+        return self
+
+
+def build_tool_trainer(tool_model, tool_tokenizer, tmp_path, dataset, tools=(multiply,), environment_factory=None,
+                       reward_funcs=answer_reward, peft_config=None, **overrides):
+    """An ArmorGRPOTrainer on the tiny tool model: 2 groups of G rows per round, K = 2 candidates, 2 steps."""
+    settings = cpu_args(**{"max_completion_length": 96, "max_steps": 2, "per_device_train_batch_size": 8,
+                           "anchor_num_samples": 2, **overrides})
+    return ArmorGRPOTrainer(model=tool_model, reward_funcs=reward_funcs, args=ArmorConfig(str(tmp_path), **settings),
+                            train_dataset=dataset, processing_class=tool_tokenizer, tools=list(tools) or None,
+                            environment_factory=environment_factory, peft_config=peft_config)
+
+
+def anchor_rows(batch) -> list[int]:
+    return batch["armor_is_anchor"].nonzero().flatten().tolist()
+
+
+def row_text(tokenizer, batch, row, mask_value=None) -> str:
+    ids = batch["completion_ids"][row][batch["completion_mask"][row].bool()]
+    if mask_value is not None:
+        ids = ids[batch["tool_mask"][row][: len(ids)] == mask_value]
+    return tokenizer.decode(ids)
+
 
 
 # --- launching scripts in subprocesses (tests/scripts/) ------------------------------------------------------------

@@ -18,12 +18,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
+def build_tokenizer(chars: str = CHARS):
     """A character-level ``PreTrainedTokenizerFast`` with pad/bos/eos and a minimal chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(chars))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
@@ -34,12 +34,14 @@ def build_tokenizer():
     return fast
 
 
-def build_tiny_model(path: str | os.PathLike, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> str:
-    """Write a randomly initialised tiny Llama model and its tokenizer to ``path``; return the path."""
+def build_tiny_model(path: str | os.PathLike, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                     tools: bool = False) -> str:
+    """Write a randomly initialised tiny Llama model and its tokenizer to ``path``; return the path. ``tools``: with
+    :func:`build_tool_tokenizer` (tool calls in its chat template, parsed back by its response template)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = os.fspath(path)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tool_tokenizer() if tools else build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -47,13 +49,52 @@ def build_tiny_model(path: str | os.PathLike, hidden_size: int = 64, num_layers:
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=512 if tools else 256,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
     )
     return _save_initialised(LlamaForCausalLM, config, tokenizer, path, seed)
+
+
+# --- tool calling -----------------------------------------------------------------------------------------------------
+TOOL_CHARS = CHARS + '{}[]"_<>!'
+# Qwen-like: a tool call is <tool_call>{"name": ..., "arguments": {...}}</tool_call> in the assistant's turn, which ends
+# in eos (TRL cuts the tool-result suffix it builds at the last eos); a tool result is a "t:" line.
+# Content is text or a list of parts (a vision-language model's prompts and tool results: images as Qwen2-VL's tokens).
+TOOL_CHAT_TEMPLATE = (
+    "{% macro render(content) %}{% if content is string %}{{ content }}{% else %}{% for part in content %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}a:{{ render(message['content']) }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}</s>\n"
+    "{% elif message['role'] == 'tool' %}t:{{ render(message['content']) }}\n"
+    "{% else %}{{ message['role'][0] }}:{{ render(message['content']) }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+# transformers' response template for it (parse_response): tool calls as JSON between the tags, then text up to eos
+TOOL_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "a:",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"</s>\s*", "content": "text"},
+    },
+}
+
+
+def build_tool_tokenizer():
+    """The character-level tokenizer with JSON's characters, a chat template that renders tool calls and tool results
+    (TRL's ``supports_tool_calling`` accepts it) and a ``response_template`` that parses them back (TRL's tool loop)."""
+    tokenizer = build_tokenizer(TOOL_CHARS)
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
+    return tokenizer
 
 
 # --- a tiny vision-language model (Qwen2-VL shapes) --------------------------------------------------------------------
@@ -67,15 +108,17 @@ VLM_CHAT_TEMPLATE = (
 )
 
 
-def build_vlm_tokenizer():
-    """The character-level tokenizer with Qwen2-VL's vision tokens and a chat template that renders image parts."""
-    tokenizer = build_tokenizer()
+def build_vlm_tokenizer(tools: bool = False):
+    """The character-level tokenizer with Qwen2-VL's vision tokens and a chat template that renders image parts
+    (``tools``: :func:`build_tool_tokenizer`'s, with them)."""
+    tokenizer = build_tool_tokenizer() if tools else build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    if not tools:
+        tokenizer.chat_template = VLM_CHAT_TEMPLATE
     return tokenizer
 
 
-def build_tiny_vlm_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16):
+def build_tiny_vlm_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 16, tools: bool = False):
     """A Qwen2-VL processor for images only (Qwen2-VL's image processor, PIL backend, and :func:`build_vlm_tokenizer`),
     built locally: Qwen2-VL's own processor also wants a video processor, which needs torchvision. Images are resized
     to ``min_pixels`` .. ``max_pixels`` (a 56×56 image: 16 patches, 4 image tokens)."""
@@ -93,20 +136,20 @@ def build_tiny_vlm_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28
             self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    tokenizer = build_vlm_tokenizer()
+    tokenizer = build_vlm_tokenizer(tools)
     tokenizer.padding_side = "left"  # as GRPOTrainer loads a processor: prompts are left-padded
     image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
     return ImageQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                  chat_template=tokenizer.chat_template)
 
 
-def build_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> str:
+def build_tiny_vlm(path: str | os.PathLike, seed: int = 0, tools: bool = False) -> str:
     """Write a randomly initialised tiny Qwen2-VL model (a 1-layer vision tower, a 2-layer language model) to
-    ``path``; return the path. Its processor: :func:`build_tiny_vlm_processor`."""
+    ``path``; return the path. Its processor: :func:`build_tiny_vlm_processor` (with the same ``tools``)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     path = os.fspath(path)
-    tokenizer = build_vlm_tokenizer()
+    tokenizer = build_vlm_tokenizer(tools)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
     special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                    eos_token_id=tokenizer.eos_token_id)

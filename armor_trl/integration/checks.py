@@ -32,22 +32,8 @@ def check_arguments(args, processing_class, tools, rollout_func, environment_fac
             "ref_model cannot be combined with LoRA (peft_config or a PeftModel): the LoRA reference is a frozen "
             "copy of the adapter. Merge the adapter you want as reference into the base model instead."
         )
-    if args.use_anchors and tools:
-        raise ValueError(
-            "use_anchors=True is not supported with tools: an anchor would be a whole multi-turn π_ref trajectory (its "
-            "tool calls run, the tool outputs masked out of its loss), which ARMOR does not sample (docs/anchors.md, "
-            "'Tools and environments'). What works: use_anchors=False (the mixed ratio only), or run the tool loop in a "
-            "rollout_func that generates with armor_trl.generate_completions and returns an env_mask: ARMOR then calls "
-            "it for π_ref's candidates too."
-        )
-    if args.use_anchors and environment_factory is not None:
-        raise ValueError(
-            "use_anchors=True is not supported with environment_factory: an anchor would be a whole π_ref trajectory "
-            "in an environment of its own (K more environments per group, reset with its row, scored by their "
-            "get_reward), which ARMOR does not sample (docs/anchors.md, 'Tools and environments'). What works: "
-            "use_anchors=False (the mixed ratio only), or drive the environments in a rollout_func that generates with "
-            "armor_trl.generate_completions, returns an env_mask and the environment's reward as an extra field."
-        )
+    if args.use_anchors and (tools or environment_factory is not None):
+        check_tool_anchors(args, rollout_func, environment_factory)
     if args.use_anchors and rollout_func is not None and args.use_vllm and args.anchor_source != "column":
         raise ValueError(
             "use_anchors=True with rollout_func and use_vllm=True: anchors sampled online with a rollout_func need the "
@@ -67,6 +53,36 @@ def check_arguments(args, processing_class, tools, rollout_func, environment_fac
         raise ValueError(
             "processing_class has neither a pad token nor an eos token; GRPO pads with the pad token (or eos). "
             "Set tokenizer.pad_token (and eos_token) before creating the trainer."
+        )
+
+
+def check_tool_anchors(args, rollout_func, environment_factory) -> None:
+    """Anchors on TRL's tool loop (``tools`` or ``environment_factory``): what they cannot be combined with."""
+    feature = "environment_factory" if environment_factory is not None else "tools"
+    if rollout_func is not None:
+        raise ValueError(
+            f"use_anchors=True with both {feature} and rollout_func: ARMOR runs π_ref's anchor candidates through "
+            "TRL's own tool loop, which a rollout_func replaces. Run the tool loop inside the rollout_func (it returns "
+            "an env_mask; ARMOR calls it for π_ref's candidates too), or drop rollout_func."
+        )
+    if args.use_vllm and args.vllm_reference_server_url is not None:
+        raise ValueError(
+            f"use_anchors=True with {feature} and a reference server (vllm_reference_server_*): π_ref's candidates "
+            "run TRL's multi-turn tool loop, and routing each of its turns to the reference server is not built. "
+            "Leave vllm_reference_server_* unset: π_ref's weights are then swapped into the policy's engine for the "
+            "candidates' turns."
+        )
+    if environment_factory is not None and args.anchor_cache:
+        raise ValueError(
+            "anchor_cache=True with environment_factory: a cached anchor is a trajectory that ran in an environment "
+            "whose state it changed; a later round cannot replay it in a fresh environment (nor score it there with "
+            "get_reward). Set anchor_cache=False (with tools alone, stateless, the cache works: a cached anchor keeps its tool_mask)."
+        )
+    if environment_factory is not None and args.anchor_source == "column":
+        raise ValueError(
+            "anchor_source='column' with environment_factory: a pre-generated anchor never ran in an environment, so "
+            "there is no environment state to score it with (get_reward) nor tool results to mask. Use "
+            "anchor_source='online' (π_ref's candidates run in environments of their own)."
         )
 
 

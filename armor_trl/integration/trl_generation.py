@@ -10,6 +10,8 @@ there (``OVERRIDDEN``, ``ATTRIBUTES``, ``HELPERS``, ...) and verified by ``trl_s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 
 import torch
 import transformers
@@ -116,10 +118,10 @@ def decode(trainer: GRPOTrainer, completion_ids: list[list[int]], conversational
 
 
 def decode_for_rewards(trainer: GRPOTrainer, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                       prompts: list) -> list:
-    """Decode completions exactly as ``GRPOTrainer._generate`` hands them to reward functions (no tools: anchors
-    refuse them): chat prompts parsed by the tokenizer's response schema where transformers >= 5 has one, else
-    decoded into an assistant message; text prompts decoded."""
+                       prompts: list, tools: list | None = None) -> list:
+    """Decode completions exactly as ``GRPOTrainer._generate`` hands them to reward functions (and, with tools, to its
+    tool loop): chat prompts parsed by the tokenizer's response schema where transformers >= 5 has one (with each
+    row's ``tools``, :func:`row_tools`), else decoded into an assistant message; text prompts decoded."""
     if not is_conversational({"prompt": prompts[0]}):
         return trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
     tokenizer = trainer._tokenizer
@@ -128,8 +130,9 @@ def decode_for_rewards(trainer: GRPOTrainer, prompt_ids: list[list[int]], comple
     if schema and Version(transformers.__version__) >= Version("5.0.0"):  # parse_response: transformers 5
         from trl.chat_template_utils import parse_response
 
-        return [[parse_response(tokenizer, ids, prefix=prefix, tools=None)]
-                for ids, prefix in zip(completion_ids, prompt_ids)]
+        tools = tools or [None] * len(completion_ids)
+        return [[parse_response(tokenizer, ids, prefix=prefix, tools=row)]
+                for ids, prefix, row in zip(completion_ids, prompt_ids, tools, strict=True)]
     return decode(trainer, completion_ids, True)
 
 
@@ -217,3 +220,127 @@ def round_logps_skipped(trainer: GRPOTrainer):
 def logps_call_skipped(trainer: GRPOTrainer) -> bool:
     """Whether a call of ``_get_per_token_logps_and_entropies`` now is the round's skipped pass (round_logps_skipped)."""
     return getattr(trainer, "_armor_skip_logps", False)
+
+
+# --- the tool loop and environments (armor_trl.rollout.tool_anchors) ---------------------------------------------------
+ENVIRONMENT_ONLY_METHODS = ("reset", "get_reward")  # an environment's methods that TRL does not expose as tools
+
+
+@dataclasses.dataclass
+class ToolRow:
+    """What TRL's tool loop reads of one row: its tools (sync and async, by name) and its environment (name and
+    instance; None without ``environment_factory``)."""
+
+    sync_tools: dict
+    async_tools: dict
+    environment_name: object = None
+    environment: object = None
+
+
+def uses_tools(trainer: GRPOTrainer) -> bool:
+    """Whether TRL runs its tool loop (``tools``, or an ``environment_factory`` whose environments have tools)."""
+    return bool(trainer.tools)
+
+
+def uses_environments(trainer: GRPOTrainer) -> bool:
+    return trainer.environment_factories is not None
+
+
+def round_tool_rows(trainer: GRPOTrainer, rows: int) -> list[ToolRow]:
+    """The round's rows as TRL set them up for its tool loop (its tool dicts, environment names and instances)."""
+    names = trainer._batch_environments if uses_environments(trainer) else [None] * rows
+    environments = trainer.environments or [None] * rows
+    if not uses_tools(trainer):  # environments without tool methods: TRL builds no tool dicts (and runs no loop)
+        return [ToolRow({}, {}, name, environment) for name, environment in zip(names, environments, strict=True)]
+    return [ToolRow(sync, async_, name, environment) for sync, async_, name, environment
+            in zip(trainer._sync_tool_dicts, trainer._async_tool_dicts, names, environments, strict=True)]
+
+
+def environment_name(trainer: GRPOTrainer, row: dict):
+    """The environment a dataset row selects (its ``environment`` column with a dict factory; else None)."""
+    return row.get("environment") if trainer._multi_environment else None
+
+
+def reset_kwargs(trainer: GRPOTrainer, row: dict) -> dict:
+    """What TRL passes an environment's ``reset`` for a row: the row, without its ``environment`` control column when
+    several environments are configured."""
+    return {k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row
+
+
+def new_environment(trainer: GRPOTrainer, name):
+    """A new instance of the environment ``name``, made by the user's factory."""
+    return trainer.environment_factories[name]()
+
+
+def environment_tool_row(trainer: GRPOTrainer, name, environment) -> ToolRow:
+    """A row's tool dicts as TRL builds them: the standalone tools and the environment's public methods (all but
+    ``reset`` and ``get_reward``), split into sync and async by name."""
+    methods = [] if environment is None else [
+        getattr(environment, member) for member, _ in inspect.getmembers(type(environment), inspect.isfunction)
+        if member not in ENVIRONMENT_ONLY_METHODS and not member.startswith("_")]
+    sync, async_ = {}, {}
+    for tool in list(trainer._standalone_tools) + methods:
+        (async_ if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
+    return ToolRow(sync, async_, name, environment)
+
+
+def prompt_after_reset(prompt: list, observation) -> list:
+    """A chat prompt with an environment's ``reset`` observation appended to its last message, as TRL appends it
+    (text to text, content parts to content parts), leaving ``prompt`` itself untouched."""
+    if observation is None:
+        return prompt
+    content = prompt[-1]["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+
+
+def default_prompt(trainer: GRPOTrainer, row: dict):
+    """A row's prompt as TRL reads it: with ``environment_factory`` a row may have none (the environment's reset
+    supplies it), an empty user message then."""
+    if uses_environments(trainer):
+        return row.get("prompt", [{"role": "user", "content": ""}])
+    return row["prompt"]
+
+
+def row_tools(trainer: GRPOTrainer, rows: list[ToolRow]) -> list:
+    """The tools each row's prompt was rendered with (its environment's, with ``environment_factory``), which TRL
+    parses its completions with."""
+    return [trainer._env_tools[row.environment_name] if uses_environments(trainer) else trainer.tools for row in rows]
+
+
+@contextlib.contextmanager
+def tool_rows_as(trainer: GRPOTrainer, rows: list[ToolRow]):
+    """Within the block TRL's tool loop reads ``rows`` as the round's rows (their tool dicts and environments)."""
+    saved = {name: getattr(trainer, name, None) for name in ("_sync_tool_dicts", "_async_tool_dicts",
+                                                             "_batch_environments")}
+    trainer._sync_tool_dicts = [row.sync_tools for row in rows]
+    trainer._async_tool_dicts = [row.async_tools for row in rows]
+    trainer._batch_environments = [row.environment_name for row in rows]
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(trainer, name, value)
+
+
+def tool_call_loop(trainer: GRPOTrainer, prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                   multimodal_fields):
+    """TRL's own tool loop (``GRPOTrainer._tool_call_loop``) on the given rows: (tool_mask, completions,
+    completion_ids, logprobs, tool calls, tool failures, tool images); its generation calls go through the trainer's
+    ``_generate_single_turn``."""
+    return GRPOTrainer._tool_call_loop(trainer, prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                                       multimodal_fields)
+
+
+@contextlib.contextmanager
+def environments_as(trainer: GRPOTrainer, environments: list | None):
+    """Within the block the reward functions (``get_reward`` among them) get ``environments`` as the rows' instances."""
+    saved = trainer.environments
+    trainer.environments = environments
+    try:
+        yield
+    finally:
+        trainer.environments = saved

@@ -44,6 +44,10 @@ OVERRIDDEN = {
     "_calculate_rewards": ["inputs", "prompts", "completions", "completion_ids_list"],
     "_get_per_token_logps_and_entropies": ["model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"],
     "_compute_loss": ["model", "inputs"],
+    # the tool loop (armor_trl.rollout.tool_anchors): the round's prompts, and the loop's result for rows it already ran
+    "_generate": ["prompts"],
+    "_tool_call_loop": ["prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images",
+                        "multimodal_fields"],
     # transformers.Trainer's checkpoint hooks (TRL overrides them too)
     "_save_checkpoint": ["model", "trial"],
     "_load_optimizer_and_scheduler": ["checkpoint"],
@@ -65,6 +69,12 @@ ATTRIBUTES = (
     *SAMPLING_ATTRIBUTES,
 )
 VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
+# What GRPOTrainer sets up for its tool loop (read and swapped by trl_generation's tool-loop helpers): at construction
+# the standalone tools, the environment factories by name, each environment's tools and the environments' own instance
+# pool; per round, each row's tool dicts, environment name and instance (the ones set at batch time, or only with
+# environment_factory, are checked in TRL's source, not on a built trainer)
+TOOL_ATTRIBUTES = ("_standalone_tools", "environment_factories", "_multi_environment", "_env_tools",
+                   "_environment_pool", "environments", "_sync_tool_dicts", "_async_tool_dicts", "_batch_environments")
 # helpers imported from TRL modules that TRL's top level does not export (here and in trl_generation)
 HELPERS = ("trl.trainer.utils.add_fused_lm_head", "trl.trainer.utils.create_model_from_path",
            "trl.trainer.utils.disable_dropout_in_model", "trl.trainer.utils.get_config_model_id",
@@ -135,6 +145,10 @@ def check_trl_surface() -> list[str]:
     logps_params = set(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
     if missing := [name for name in LOGPS_IMAGE_FIELDS if name not in logps_params]:
         problems.append(f"GRPOTrainer._get_per_token_logps_and_entropies lacks the image fields {missing}")
+    trainer_source = inspect.getsource(GRPOTrainer)
+    if missing := [name for name in TOOL_ATTRIBUTES if f"self.{name} =" not in trainer_source]:
+        problems.append(f"GRPOTrainer no longer sets {missing}: anchors on the tool loop read and swap them "
+                        "(armor_trl.rollout.tool_anchors)")
     for helper in HELPERS:
         helper_module, _, helper_name = helper.rpartition(".")
         try:
@@ -209,9 +223,16 @@ def add_completion_column(trainer: GRPOTrainer, name: str, values: list) -> None
 def completion_columns_spread(trainer: GRPOTrainer, rows: list[int], total: int):
     """Within the block, reward functions score (and log extra completion columns for) ``rows`` of a round of
     ``total`` local rows only; afterwards each column they extended holds ``total`` entries, None for the other rows,
-    so TRL's completions table stays aligned with its rows."""
+    so TRL's completions table stays aligned with its rows. With ``environment_factory`` the reward functions get
+    the environments of ``rows`` (TRL hands them the round's, one per row)."""
     before = {column: len(values) for column, values in trainer._pending_extra_logs.items()}
-    yield
+    environments = trainer.environments
+    if environments is not None and len(environments) == total:
+        trainer.environments = [environments[row] for row in rows]
+    try:
+        yield
+    finally:
+        trainer.environments = environments
     for column, values in trainer._pending_extra_logs.items():
         start = before.get(column, 0)
         if len(values) - start == len(rows):

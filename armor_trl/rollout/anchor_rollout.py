@@ -17,6 +17,7 @@ whatever their anchor draw after the refill loop, if they train (``anchor_deferr
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 
@@ -86,8 +87,7 @@ class AnchorRollout:
         self.on_policy_scores, eligible, deferred = None, None, None
         column = self.column is not None and self.column.active(self.trainer.reference.resets)
         if filters_groups(self.args) and not column:
-            self.on_policy_scores = score_on_policy(self.trainer, inputs, prompt_ids, on_policy_ids, group_size, slots,
-                                                    self.reward_fields)
+            self.on_policy_scores = score_on_policy(self, inputs, prompt_ids, on_policy_ids, group_size, slots)
             eligible, deferred = round_eligibility(self.trainer, self.on_policy_scores, len(firsts), slots,
                                                    self.defers_candidates())
         fillers = [on_policy_ids[g * (group_size - slots)] for g in range(len(firsts))]
@@ -104,6 +104,15 @@ class AnchorRollout:
         """The fields TRL adds to this completion's input row before its reward functions run (none on TRL's own
         generation paths; a rollout_func's extra fields: :class:`~armor_trl.rollout.rollout_func.RolloutFuncAnchors`)."""
         return {}
+
+    def reward_prompts(self, rows: list[int], inputs: list[dict]) -> list:
+        """The prompts TRL hands the reward functions with these rows of the round: their dataset prompts (after an
+        environment's reset with tools: :class:`~armor_trl.rollout.tool_anchors.ToolAnchorRollout`)."""
+        return [inputs[i]["prompt"] for i in rows]
+
+    def reward_completions(self, prompt_ids: list, completion_ids: list, prompts: list) -> list:
+        """The completions as TRL hands them to the reward functions (with tools: the trajectories' messages)."""
+        return trl_generation.decode_for_rewards(self.trainer, prompt_ids, completion_ids, prompts)
 
     def same_call_applies(self) -> bool:
         """Whether this round's K candidates per group can be extra rows of the policy's generate call: π_ref holds
@@ -288,19 +297,29 @@ class AnchorRollout:
         return candidate_ids, trl_generation.score_quietly(trainer, candidate_inputs, prompts, completions,
                                                            candidate_ids)
 
-    def _reference_candidates(self, prompt_ids: list, k: int) -> list:
+    def _reference_candidates(self, prompt_ids: list, k: int, inputs: list[dict] | None = None) -> list:
         """π_ref's completions: on the reference's own vLLM server when there is one, else on TRL's path (with the
-        policy's vLLM engine holding π_ref's weights meanwhile, or the reference model routed in)."""
+        policy's vLLM engine holding π_ref's weights meanwhile, or the reference model routed in). ``inputs``: the
+        candidates' rows (read with tools, :class:`~armor_trl.rollout.tool_anchors.ToolAnchorRollout`)."""
         trainer = self.trainer
         if trainer.reference_server is not None:
             return trainer.reference_server.generate(prompt_ids, k, trainer.unwrapped_policy())
+        with self.reference_routed():
+            return trl_generation.generate(trainer, prompt_ids, k)
+
+    @contextlib.contextmanager
+    def reference_routed(self):
+        """Within the block TRL's generation path samples from π_ref: the policy's vLLM engine holding π_ref's weights,
+        or the reference model (LoRA: its adapter) routed into the transformers path."""
+        trainer = self.trainer
         if trainer.use_vllm:
             with reference_in_engine(trainer):
-                return trl_generation.generate(trainer, prompt_ids, k)
+                yield
+            return
         reference = trainer.reference
         routed = trl_generation.generating_with(trainer, reference.full_model)
         with reference.active(trainer.unwrapped_policy()), routed:
-            return trl_generation.generate(trainer, prompt_ids, k)
+            yield
 
     def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:
         """Keep up to anchor_cache_per_prompt verified candidates, the chosen anchor first; without one, reuse a kept

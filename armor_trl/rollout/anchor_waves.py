@@ -124,19 +124,18 @@ def same_fields(row: dict, other: dict) -> bool:
     return True
 
 
-def score_on_policy(trainer, inputs: list[dict], prompt_ids: list, on_policy_ids: list, group_size: int,
-                    slots: int, row_fields=None) -> OnPolicyScores:
+def score_on_policy(rollout, inputs: list[dict], prompt_ids: list, on_policy_ids: list, group_size: int,
+                    slots: int) -> OnPolicyScores:
     """Score a round's on-policy rows with TRL's own scoring (``GRPOTrainer._calculate_rewards``: reward functions,
-    their logged metrics and completion columns, the gather over processes), as TRL would score them later.
-    ``row_fields(completion_ids)``: the fields TRL adds to a row's inputs before it scores them (a rollout_func's
-    extra fields), which this early scoring must hand the reward functions too."""
-    rows = len(inputs)
+    their logged metrics and completion columns, the gather over processes), as TRL would score them later. The
+    round's AnchorRollout knows what TRL hands the reward functions with each row: the fields it adds to the row's
+    inputs (a rollout_func's extra fields: ``reward_fields``), its prompt and its completion (with tools: the
+    trajectory's messages)."""
+    trainer, rows = rollout.trainer, len(inputs)
     keep = policy_rows(rows, group_size, slots)
-    kept_inputs = [dict(inputs[i]) for i in keep]
-    if row_fields is not None:
-        kept_inputs = [{**row, **row_fields(ids)} for row, ids in zip(kept_inputs, on_policy_ids)]
-    prompts = [row["prompt"] for row in kept_inputs]
-    completions = trl_generation.decode_for_rewards(trainer, [prompt_ids[i] for i in keep], on_policy_ids, prompts)
+    kept_inputs = [{**inputs[i], **rollout.reward_fields(ids)} for i, ids in zip(keep, on_policy_ids)]
+    prompts = rollout.reward_prompts(keep, inputs)
+    completions = rollout.reward_completions([prompt_ids[i] for i in keep], on_policy_ids, prompts)
     with seam.completion_columns_spread(trainer, keep, rows):
         rewards = trl_generation.score(trainer, kept_inputs, prompts, completions, on_policy_ids)
     return OnPolicyScores([list(ids) for ids in on_policy_ids], completions, rewards,
@@ -197,7 +196,7 @@ def draw_in_waves(rollout, group_prompt_ids: list, group_inputs: list, used: lis
             groups = [used[p] if p is not None else (used[0] if used else 0) for p in positions]
             prompt_ids = [group_prompt_ids[g] for g in groups]
             if candidates is None:
-                ids = rollout._reference_candidates(prompt_ids, 1)
+                ids = rollout._reference_candidates(prompt_ids, 1, [group_inputs[g] for g in groups])
                 generated += len(ids)
             else:
                 ids = [candidates[g][wave] for g in groups]

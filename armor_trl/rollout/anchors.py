@@ -215,6 +215,10 @@ class AnchorCache:
         while len(self._entries) > self.max_entries:
             self._turns.pop(self._entries.popitem(last=False)[0], None)
 
+    def completions(self) -> list[list[int]]:
+        """Every anchor the cache holds (its completion ids)."""
+        return [ids for anchors in self._entries.values() for ids, _ in anchors]
+
     def visit_unlooked(self, prompt_ids) -> None:
         """A visit of the prompt at which its group does not look for an anchor (``anchor_eligible_only``): what the
         paper's path, which looks in every group, does to the cache there, without drawing. A full entry is a hit

@@ -128,7 +128,7 @@ class RolloutFuncAnchors(AnchorRollout):
         return self.column is not None and self.column.active(self.trainer.reference.resets)
 
     # --- AnchorRollout's candidate generation and scoring, through the function ---------------------------------
-    def _reference_candidates(self, prompt_ids: list, k: int) -> list:
+    def _reference_candidates(self, prompt_ids: list, k: int, inputs: list[dict] | None = None) -> list:
         """π_ref's candidates: the rollout_func with π_ref routed into the trainer's model (checked to have run)."""
         trainer, reference = self.trainer, self.trainer.reference
         policy = trainer.unwrapped_policy()

@@ -1,0 +1,291 @@
+"""Anchors with ``environment_factory`` (armor_trl.rollout.tool_anchors): π_ref's candidates run in environment
+instances of their own, reset with their group's row, scored on them.
+
+The tiny tool model's fake generator (testing.ToolFake): the policy answers "7" at once; π_ref calls its environment's
+tool and answers with the result. The environments record who made them, how they were reset and what was called on
+them, so each test can say which instance a candidate ran in and what its reward was computed from.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+
+import pytest
+
+from testing import (ToolFake, anchor_rows, build_tool_trainer, capture_rounds, chat_numbers, last_tool_result,
+                     logged, row_text, tool_call)
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+class Registry:
+    """The environment instances made in one test, in order, and the policy's pool to tell them apart."""
+
+    def __init__(self):
+        self.instances = []
+
+    def candidates_of(self, trainer) -> list:
+        policy = {id(instance) for pool in trainer._environment_pool.values() for instance in pool}
+        return [instance for instance in self.instances if id(instance) not in policy]
+
+
+def counter_environment(registry: Registry, with_reward: bool = True, observation: str | None = None):
+    """An environment with a counter: ``increment(step)`` adds to it; its reward (``get_reward``) is 1 when the counter
+    holds the row's answer."""
+
+    class CounterEnvironment:
+        def __init__(self):
+            self.counter, self.resets, self.row = 0, [], None
+            registry.instances.append(self)
+
+        def reset(self, **kwargs):
+            self.counter, self.row = 0, kwargs
+            self.resets.append(dict(kwargs))
+            return observation
+
+        def increment(self, step: int) -> int:
+            """
+            Increment the counter.
+
+            Args:
+                step: Value to add.
+
+            Returns:
+                The counter.
+            """
+            self.counter += step
+            return self.counter
+
+    if with_reward:
+        def get_reward(self) -> float:
+            return float(str(self.counter) == self.row["answer"])
+
+        CounterEnvironment.get_reward = get_reward
+    return CounterEnvironment
+
+
+def increment_turn(prompt_text: str) -> str:
+    """π_ref on "n*3?": increment the counter by 3n, then answer with the counter."""
+    result = last_tool_result(prompt_text)
+    if result is not None:
+        return f"{result}</s>"
+    return tool_call("increment", step=3 * int(re.search(r"u:(\d+)\*", prompt_text).group(1)))
+
+
+def answer_reward(completions, answer, **kwargs):
+    return [float(completion[-1]["content"].strip() == expected) for completion, expected in zip(completions, answer)]
+
+
+def check_anchor_environments(trainer, registry, batches, groups: int):
+    """Every round has its anchors, each a π_ref trajectory that ran in a candidate environment of its own, reset
+    with its group's row exactly as the policy's (same kwargs), never one of the policy's instances."""
+    candidates = registry.candidates_of(trainer)
+    assert candidates, "π_ref's candidates ran in environments made for them"
+    policy = [instance for pool in trainer._environment_pool.values() for instance in pool]
+    assert all(instance.counter == 0 for instance in policy if hasattr(instance, "counter")), \
+        "the policy's environments saw no candidate's tool call"
+    policy_resets = [kwargs for instance in policy for kwargs in instance.resets]
+    assert all(kwargs in policy_resets for instance in candidates for kwargs in instance.resets)
+    for batch in batches:
+        assert len(anchor_rows(batch)) == groups
+
+
+def test_environment_factory_candidates_run_and_are_scored_in_environments_of_their_own(tool_model, tool_tokenizer,
+                                                                                        tmp_path, monkeypatch):
+    registry = Registry()
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(1, 9)), tools=(),
+                                 environment_factory=counter_environment(registry), reward_funcs=None,
+                                 anchor_same_call=False)
+    assert trainer.reward_func_names == ["CounterEnvironment"]
+    ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn).install(monkeypatch)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    check_anchor_environments(trainer, registry, batches, groups=2)
+    # the anchors' rewards are get_reward on their own instances (1: counter = answer); the policy's are 0
+    assert logged(trainer, "armor/anchor_reward_mean") == [1.0, 1.0]
+    assert logged(trainer, "armor/policy_reward_mean") == [0.0, 0.0]
+    # each candidate's instance holds the counter its trajectory left, and was reset once per candidate it served
+    incremented = [instance for instance in registry.candidates_of(trainer) if instance.counter]
+    assert incremented and all(str(instance.counter) == instance.row["answer"] for instance in incremented)
+    batch = batches[-1]
+    for row in anchor_rows(batch):
+        answer = re.search(r"u:(\d+)\*", tool_tokenizer.decode(batch["prompt_ids"][row])).group(1)
+        assert row_text(tool_tokenizer, batch, row, mask_value=0) == f"\nt:{3 * int(answer)}\na:"
+
+
+def test_environment_owned_reward_beside_reward_functions(tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    """get_reward is one more reward column (weight 1); candidates are verified by both, each on its own data."""
+    registry = Registry()
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(1, 9)), tools=(),
+                                 environment_factory=counter_environment(registry), reward_funcs=answer_reward,
+                                 anchor_same_call=False, anchor_reward_threshold=2.0)
+    assert trainer.reward_func_names == ["answer_reward", "CounterEnvironment"]
+    ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn).install(monkeypatch)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    check_anchor_environments(trainer, registry, batches, groups=2)
+    assert logged(trainer, "armor/anchor_reward_mean") == [2.0, 2.0]  # both columns verified the anchors
+
+
+def test_several_environments_route_each_candidate_to_its_rows_environment(tool_model, tool_tokenizer, tmp_path,
+                                                                           monkeypatch):
+    """A dict factory: each row's ``environment`` column picks its environment; candidates get an instance of that
+    environment, reset without the control column, and see the observation its reset returns."""
+    registry = Registry()
+    shouted = []
+
+    class EchoEnvironment:
+        def __init__(self):
+            self.resets = []
+            registry.instances.append(self)
+
+        def reset(self, **kwargs):
+            self.resets.append(dict(kwargs))
+            return "Echo."
+
+        def shout(self, text: str) -> str:
+            """
+            Shout the text.
+
+            Args:
+                text: The text.
+
+            Returns:
+                It, upper case.
+            """
+            shouted.append((id(self), text))
+            return text.upper()
+
+    def turn(prompt_text: str) -> str:
+        result = last_tool_result(prompt_text)
+        if result is not None:
+            return f"{result}</s>"
+        if "Echo." in prompt_text:
+            return tool_call("shout", text="hi")
+        return increment_turn(prompt_text)
+
+    def reward(completions, answer, environment, **kwargs):
+        expected = ["HI" if name == "echo" else value for name, value in zip(environment, answer)]
+        return [float(c[-1]["content"].strip() == e) for c, e in zip(completions, expected)]
+
+    data = chat_numbers(range(1, 9)).add_column("environment", ["counter", "echo"] * 4)
+    trainer = build_tool_trainer(
+        tool_model, tool_tokenizer, tmp_path, data, tools=(), reward_funcs=reward, anchor_same_call=False,
+        environment_factory={"counter": counter_environment(registry, with_reward=False, observation="Count."),
+                             "echo": EchoEnvironment})
+    ToolFake(tool_tokenizer, trainer, reference_turn=turn).install(monkeypatch)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    check_anchor_environments(trainer, registry, batches, groups=2)
+    candidates = registry.candidates_of(trainer)
+    assert all("environment" not in kwargs for instance in registry.instances for kwargs in instance.resets)
+    assert {type(instance).__name__ for instance in candidates} == {"CounterEnvironment", "EchoEnvironment"}
+    assert shouted and all(owner in {id(i) for i in candidates} for owner, _ in shouted)
+    for batch in batches:
+        for row in anchor_rows(batch):
+            prompt = tool_tokenizer.decode(batch["prompt_ids"][row])
+            expected = "HI</s>" if "Echo." in prompt else None
+            if expected:
+                assert row_text(tool_tokenizer, batch, row, mask_value=1).endswith(expected)
+
+
+def test_environment_owned_reward_in_mixed_environments(tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    """One environment scores itself (get_reward), the other is scored by a reward function: a candidate is verified
+    by the column that applies to it (the other is None for it)."""
+    registry = Registry()
+
+    def format_reward(completions, environment, **kwargs):
+        return [None if name == "scored" else float(c[-1]["content"].strip().isdigit())
+                for c, name in zip(completions, environment)]
+
+    data = chat_numbers(range(1, 9)).add_column("environment", ["scored", "plain"] * 4)
+    trainer = build_tool_trainer(
+        tool_model, tool_tokenizer, tmp_path, data, tools=(), reward_funcs=format_reward, anchor_same_call=False,
+        environment_factory={"scored": counter_environment(registry),
+                             "plain": counter_environment(registry, with_reward=False)})
+    assert trainer.reward_func_names == ["format_reward", "CounterEnvironment"]
+    ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn, policy_turn=lambda text: "x</s>").install(
+        monkeypatch)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    check_anchor_environments(trainer, registry, batches, groups=2)
+
+
+def test_environment_owned_data_without_a_dataset(tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    """No train_dataset: reset returns the prompt. A reset that returns the same task for the same row is reproducible:
+    the candidates start where the group does."""
+    registry = Registry()
+
+    class GuessEnvironment:
+        def __init__(self):
+            self.resets = []
+            registry.instances.append(self)
+
+        def reset(self, **kwargs):
+            self.resets.append(dict(kwargs))
+            return "4*3?"
+
+    def reward_len(completions, **kwargs):
+        return [float(len(c[-1]["content"]) >= 2) for c in completions]
+
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, None, tools=(), reward_funcs=reward_len,
+                                 environment_factory=GuessEnvironment, anchor_same_call=False)
+    ToolFake(tool_tokenizer, trainer, reference_turn=lambda text: "12</s>").install(monkeypatch)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    assert all(len(anchor_rows(batch)) == 2 for batch in batches)
+    assert registry.candidates_of(trainer)
+
+
+def test_an_environment_that_draws_its_task_on_reset_is_refused_naming_why(tool_model, tool_tokenizer, tmp_path,
+                                                                           monkeypatch):
+    class RandomWordEnvironment:
+        def reset(self, **kwargs):
+            return random.choice(["cat", "dog", "owl", "bee", "ant", "elk"]) + "?"
+
+    def reward_len(completions, **kwargs):
+        return [float(len(c[-1]["content"])) for c in completions]
+
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, None, tools=(), reward_funcs=reward_len,
+                                 environment_factory=RandomWordEnvironment)
+    ToolFake(tool_tokenizer, trainer, reference_turn=lambda text: "12</s>").install(monkeypatch)
+    random.seed(0)
+    with pytest.raises(ValueError, match="reproduce the group's initial state.*environment-owned data.*"
+                                         "use_anchors=False"):
+        trainer.train()
+
+
+def test_an_unknown_environment_raises_trls_own_error(tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    registry = Registry()
+    data = chat_numbers(range(1, 9)).add_column("environment", ["unknown"] * 8)
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, data, tools=(), reward_funcs=answer_reward,
+                                 environment_factory={"counter": counter_environment(registry)})
+    ToolFake(tool_tokenizer, trainer).install(monkeypatch)
+    with pytest.raises(ValueError, match="not among the environments"):
+        trainer.train()
+
+
+def test_anchor_cache_and_column_anchors_with_environments_are_refused(tool_model, tool_tokenizer, tmp_path):
+    registry = Registry()
+    for setting, match in (({"anchor_cache": True}, "anchor_cache=True with environment_factory.*cannot replay"),
+                           ({"anchor_source": "column"}, "anchor_source='column' with environment_factory")):
+        with pytest.raises(ValueError, match=match):
+            build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(1, 9)), tools=(),
+                               reward_funcs=answer_reward, environment_factory=counter_environment(registry), **setting)
+
+
+
+def test_a_same_call_round_runs_its_candidates_in_environments_of_their_own(tool_model, tool_tokenizer, tmp_path,
+                                                                            monkeypatch):
+    """π_ref = π_θ: the candidates are extra rows of the policy's call and loop, each still in its own instance."""
+    registry = Registry()
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(1, 9)), tools=(),
+                                 environment_factory=counter_environment(registry), reward_funcs=None, max_steps=1)
+    ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn).install(monkeypatch)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    assert logged(trainer, "armor/anchor_same_call") == [1.0]
+    check_anchor_environments(trainer, registry, batches, groups=2)
+    assert logged(trainer, "armor/anchor_reward_mean") == [1.0]
