@@ -34,7 +34,7 @@ from armor_trl.rollout.anchor_rollout import AnchorRollout, reward_func_mask
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import AnchorRound
 from armor_trl.integration.metrics import ArmorMetrics
-from armor_trl.integration.checkpoint import ArmorState, fingerprint, resolve_checkpoint
+from armor_trl.integration.checkpoint import ArmorState, fingerprint, load_policy_weights, resolve_checkpoint
 from armor_trl.callbacks.collapse_guard import CollapseGuard
 from armor_trl.config import ArmorConfig
 from armor_trl.rollout.dynamic_sampling import DynamicSampling, advantages_across_processes
@@ -490,6 +490,9 @@ class ArmorGRPOTrainer(GRPOTrainer):
         directory = seam.checkpoint_dir(self, self.state.global_step, trial)
         self.armor_state.save(directory, self._fingerprint(), write=self.args.should_save)
         seam.rotate(self, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):  # (a VLM's weights: under their saved names)
+        load_policy_weights(self, super()._load_from_checkpoint, resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

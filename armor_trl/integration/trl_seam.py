@@ -24,7 +24,8 @@ import re
 import torch
 import transformers
 from packaging.version import Version
-from transformers import GenerationConfig, Trainer
+from transformers import GenerationConfig, PreTrainedModel, Trainer
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
@@ -49,12 +50,12 @@ OVERRIDDEN = {
     # transformers.Trainer's checkpoint hooks (TRL overrides them too)
     "_save_checkpoint": ["model", "trial"],
     "_load_optimizer_and_scheduler": ["checkpoint"],
+    "_load_from_checkpoint": ["resume_from_checkpoint", "model"],
 }
 # private methods called (not overridden) -> parameters we pass
 CALLED = {
     "_get_output_dir": ["trial"],
     "_determine_best_metric": ["metrics", "trial"],
-    "_load_from_checkpoint": ["resume_from_checkpoint"],
 }
 # What TRL's generation reads for its sampling settings: the trainer's GenerationConfig (transformers path) and the
 # vLLM wrapper's attributes (vLLM path, where generation_kwargs is applied last). The trainer's own attributes are
@@ -67,11 +68,12 @@ ATTRIBUTES = (
     *SAMPLING_ATTRIBUTES,
 )
 VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
-# helpers imported from TRL modules that TRL's top level does not export (imported above: a move fails at import)
+# helpers imported from TRL (and transformers) modules that their top level does not export (imported above: a move
+# fails at import)
 HELPERS = ("trl.trainer.utils.add_fused_lm_head", "trl.trainer.utils.create_model_from_path",
            "trl.trainer.utils.disable_dropout_in_model", "trl.trainer.utils.get_config_model_id",
            "trl.trainer.utils.use_adapter", "trl.data_utils.is_conversational",
-           "trl.chat_template_utils.parse_response")
+           "trl.chat_template_utils.parse_response", "transformers.core_model_loading.revert_weight_conversion")
 # GRPOTrainer._compute_loss computes the micro-batch's policy log-probs with exactly this many calls of
 # _get_per_token_logps_and_entropies, and builds its ratio from that call's result (see loss_logps_replaced).
 LOSS_LOGPS_CALLS = 1
@@ -287,6 +289,27 @@ def rotate(trainer: Trainer, trial=None) -> None:
 def load_weights(trainer: Trainer, checkpoint: str) -> None:
     """Load a checkpoint's model weights into the policy (transformers' own loader: full model or adapter)."""
     trainer._load_from_checkpoint(checkpoint)
+
+
+def checkpoint_key_names(model) -> dict[str, str] | None:
+    """The names ``save_pretrained`` gives ``model``'s tensors in a checkpoint where they are not the model's own
+    (transformers' conversion mapping, reversed: a Qwen2-VL saves ``model.visual.*`` as ``visual.*``), as
+    {checkpoint name: the model's name}; None where it keeps the model's names. A conversion that fuses or splits
+    tensors cannot be read back by a renaming: refused, naming the tensors."""
+    if not isinstance(model, PreTrainedModel):
+        return None
+    placeholders = {name: tensor.detach().to("meta") for name, tensor in model.state_dict().items()}
+    saved = revert_weight_conversion(model, placeholders)
+    if all(placeholders.get(name) is tensor for name, tensor in saved.items()):
+        return None
+    model_names = {id(tensor): name for name, tensor in placeholders.items()}
+    if converted := sorted(name for name, tensor in saved.items() if id(tensor) not in model_names):
+        raise ValueError(
+            f"{type(model).__name__} is saved with tensors converted ({', '.join(converted[:3])}, ...), which no "
+            "renaming loads back (transformers' Trainer would leave them at their initial values, silently): "
+            "resuming it is refused. Start a new run with the checkpoint as `model` (from_pretrained converts them)."
+        )
+    return {name: model_names[id(tensor)] for name, tensor in saved.items()}
 
 
 def is_new_best(trainer: Trainer, metrics: dict) -> bool:
