@@ -186,7 +186,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self.add_callback(ReferenceResetCallback(
             self.reference, self.unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until,
             args.ref_reset_at_steps, start_step=lambda: self.armor_started_at,
-        ))
+            rollout_ended=lambda: seam.rollout_batch_ended(self)))
         if args.vllm_reference_server_url is not None:
             # A reference built from a path is assumed to be what the server was started with; otherwise it is pushed.
             from_path = self.reference.kind == "full" and ref_copy is None and not isinstance(ref_model, torch.nn.Module)

@@ -86,6 +86,8 @@ ROLLOUT_FUNC_CALL = "self.rollout_func(prompts, self)"
 # (or vLLM's importance-sampling correction does) and keeps them only when its call returned them (round_logps_skipped)
 OLD_LOGPS_TEST = "self.args.gradient_accumulation_steps % generate_every != 0"
 OLD_LOGPS_KEPT = "if old_per_token_logps is not None:"
+# GRPOTrainer._prepare_inputs generates a new rollout batch for a micro-batch when this holds (rollout_batch_ended)
+NEW_ROLLOUT_TEST = "if self._step % generate_every == 0 or self._buffered_inputs is None:"
 LOGPS_IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                       "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -136,6 +138,11 @@ def check_trl_surface() -> list[str]:
         problems.append("GRPOTrainer._generate_and_score_completions no longer decides on (or keeps) the old policy's "
                         f"log-probs with {OLD_LOGPS_TEST!r} / {OLD_LOGPS_KEPT!r}: dynamic sampling's deferred "
                         "log-probs (round_logps_skipped, old_logps_needed) must be checked again")
+    prepare_source = inspect.getsource(GRPOTrainer._prepare_inputs)
+    if NEW_ROLLOUT_TEST not in prepare_source or "generate_every = self.args.steps_per_generation * " \
+            "self.num_iterations" not in prepare_source:
+        problems.append(f"GRPOTrainer._prepare_inputs no longer starts a rollout batch with {NEW_ROLLOUT_TEST!r}: "
+                        "where π_ref's resets act (rollout_batch_ended) must be checked again")
     logps_params = set(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
     if missing := [name for name in LOGPS_IMAGE_FIELDS if name not in logps_params]:
         problems.append(f"GRPOTrainer._get_per_token_logps_and_entropies lacks the image fields {missing}")
@@ -239,6 +246,13 @@ def discard_rollouts(trainer: GRPOTrainer) -> None:
 def buffered_micro_batches(trainer: GRPOTrainer) -> list[dict]:
     """TRL's buffered generation batch, split into its ``steps_per_generation`` micro-batches (this process's rows)."""
     return trainer._buffered_inputs
+
+
+def rollout_batch_ended(trainer: GRPOTrainer) -> bool:
+    """Whether TRL generates a new rollout batch for the next micro-batch (its buffered one is used up, or none is
+    buffered), as ``GRPOTrainer._prepare_inputs`` decides (``NEW_ROLLOUT_TEST``)."""
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    return trainer._buffered_inputs is None or trainer._step % generate_every == 0
 
 
 def micro_batch_step(trainer: GRPOTrainer) -> int:
