@@ -23,6 +23,22 @@ MOVED = {
     "cli": "app.cli", "recipe": "app.recipe", "real_model": "app.real_model", "tiny": "app.tiny",
     "experiments": "app.experiments",
 }
+# names a flat-layout module held that live elsewhere now: old module -> {name: the module (new path) that holds it}
+MOVED_NAMES = {
+    "evaluation": {"ValidationCallback": "callbacks.validation", "TRAIN_REWARD_KEYS": "callbacks.validation"},
+}
+
+
+def _moved_names_getattr(package: str, module, names: dict):
+    """A module ``__getattr__`` for ``module`` that reaches ``names`` in their new modules, with a DeprecationWarning."""
+    def __getattr__(name: str):
+        if name not in names:
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
+        new = f"{package}.{names[name]}"
+        warnings.warn(f"{name} moved to {new}; import it from there", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(new), name)
+
+    return __getattr__
 
 
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -48,7 +64,11 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         new = self.new_name(spec.name)
         warnings.warn(f"{spec.name} moved to {new}; import it from there", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        names = MOVED_NAMES.get(spec.name[len(self.package) + 1:])
+        if names and "__getattr__" not in vars(module):  # the old path's names that went elsewhere still resolve
+            module.__getattr__ = _moved_names_getattr(self.package, module, names)
+        return module
 
     def exec_module(self, module):
         """The module was executed under its new name."""

@@ -261,7 +261,8 @@ class ArmorConfig(GRPOConfig):
             "armor_trl.rewards.modes.PROMPT_CLASSIFIERS such as 'arithmetic_needs_carry', or 'pkg.module:function') "
             "that splits the anchor mode diagnostic by prompt type: armor/anchor_mode/<type>/<mode> and "
             "armor/policy_mode/<type>/<mode> beside the overall shares (e.g. whether anchors carry where the prompt "
-            "needs a carry). Training is unchanged. Default: off."
+            "needs a carry). A type's shares are logged only in rounds that had rows of that type: average them "
+            "over those rounds (a study's summary does). Training is unchanged. Default: off."
         },
     )
     off_policy_ratio: bool = field(

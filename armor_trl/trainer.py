@@ -29,10 +29,12 @@ from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl.integration import checks
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.integration import vllm_engine
 from armor_trl.rollout.anchor_rollout import AnchorRollout, reward_func_mask
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import AnchorRound
+from armor_trl.rollout.batch_logprobs import add_logprobs, skips_round_logps
 from armor_trl.integration.metrics import ArmorMetrics
 from armor_trl.integration.checkpoint import ArmorState, fingerprint, load_policy_weights, resolve_checkpoint
 from armor_trl.callbacks.collapse_guard import CollapseGuard
@@ -41,7 +43,7 @@ from armor_trl.rollout.dynamic_sampling import DynamicSampling, advantages_acros
 from armor_trl.rollout.refill import take_rows
 from armor_trl.integration.launcher import check_use_cpu
 from armor_trl.algorithm.loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
-from armor_trl.algorithm.mixture import kl_reference_logps, mixed_logprobs
+from armor_trl.algorithm.mixture import kl_reference_logps, mixed_logprobs, mixed_old_inputs
 from armor_trl.rewards.modes import resolve_classifier, resolve_prompt_classifier
 from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
 from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
@@ -51,7 +53,6 @@ from armor_trl.rewards import math_verify_reward, verifier_timeouts
 from armor_trl.reference.vllm_server import ReferenceServer
 
 logger = logging.get_logger(__name__)
-
 
 
 @dataclass
@@ -183,10 +184,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
             save_files=lambda directory, write: self.reference.save_weights(directory, self.unwrapped_policy(), write),
             load_files=lambda directory: self.reference.load_weights(directory, self.unwrapped_policy()),
         )
-        self.add_callback(ReferenceResetCallback(
-            self.reference, self.unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until,
-            args.ref_reset_at_steps, start_step=lambda: self.armor_started_at,
-            rollout_ended=lambda: seam.rollout_batch_ended(self)))
+        self.add_callback(ReferenceResetCallback.of(self))
         if args.vllm_reference_server_url is not None:
             # A reference built from a path is assumed to be what the server was started with; otherwise it is pushed.
             from_path = self.reference.kind == "full" and ref_copy is None and not isinstance(ref_model, torch.nn.Module)
@@ -224,18 +222,18 @@ class ArmorGRPOTrainer(GRPOTrainer):
                     keep = anchors.has_anchor.to(keep.device)
                 output["advantages"] = advantages_across_processes(self, output["armor_reward"], keep)
         del output["armor_reward"], output["armor_correctness"]
-        self._add_logprobs(output)
+        add_logprobs(self, output)
         if "armor_is_anchor" in output:
             self._shape_anchor_advantages(output)
         return output
 
     def _score_round(self, inputs):
         """One round generated and scored by TRL, with ARMOR's fields: (output, its anchors or None, anchor slots).
-        Log-probs are not computed here for the rows that will train (:meth:`_add_logprobs`)."""
+        Log-probs are not computed here for the rows that will train (``batch_logprobs.add_logprobs``)."""
         training = self.model.training
         anchored = training and self.armor_active and self.args.use_anchors
         self._round = Round(inputs=inputs if anchored else None)
-        with seam.round_logps_skipped(self) if self._skips_round_logps() else contextlib.nullcontext():
+        with trl_generation.round_logps_skipped(self) if skips_round_logps(self) else contextlib.nullcontext():
             output = super()._generate_and_score_completions(inputs)
         current, self._round = self._round, Round()
         if not training:
@@ -265,14 +263,6 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if rows and "old_per_token_logps" in batch:  # their rounds computed them for the fillers (vLLM's correction)
             batch["old_per_token_logps"][rows] = self._completion_logps(self.model, take_rows(batch, rows))
 
-    def _skips_round_logps(self) -> bool:
-        """Whether TRL's pass for the old policy's log-probs is left out of a training round: under dynamic sampling
-        the rows of dropped groups would never use them, so they are computed once for the batch that trains
-        (unless TRL reads them within the round: vLLM's importance-sampling correction, or β ≠ 0, whose reference
-        pass TRL makes there too)."""
-        return (self.model.training and self.dynamic_sampling is not None and self.beta == 0.0
-                and not seam.vllm_correction(self))
-
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.reference is not None:
             checks.check_prompt_lengths(self.model, prompt_ids, self.max_completion_length)
@@ -284,7 +274,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
 
         def policy(ids, n):
             completion_ids, logprobs = parent(ids, *self.media_for(ids), n)
-            seam.check_row_count(completion_ids, ids)
+            trl_generation.check_row_count(completion_ids, ids)
             return completion_ids, logprobs
 
         ids, logprobs, self._round.anchors = self.anchor_rollout.generate(policy, prompt_ids, num_generations,
@@ -321,7 +311,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
         return rewards
 
     def _add_armor_fields(self, output: dict, anchors: AnchorRound | None) -> dict:
-        """A round's anchor flag and the masks of ``anchor_filter`` (π_ref's log-probs: :meth:`_add_logprobs`)."""
+        """A round's anchor flag and the masks of ``anchor_filter`` (π_ref's log-probs: ``batch_logprobs``)."""
         args = self.args
         is_anchor = torch.zeros(output["completion_ids"].size(0), dtype=torch.bool, device=output["completion_ids"].device)
         if anchors is not None:
@@ -334,37 +324,12 @@ class ArmorGRPOTrainer(GRPOTrainer):
             seam.log_metric(self, "armor/ref_weights_step", self.reference.weights_step)
         return output
 
-    def _add_logprobs(self, output: dict) -> None:
-        """The log-probs of the batch that trains, once per row: the old policy's where a round left them out
-        (:meth:`_skips_round_logps`), π_ref's where the loss needs them (the mixed ratio, off-policy IS)."""
-        args = self.args
-        if self._skips_round_logps() and seam.old_logps_needed(self):
-            output["old_per_token_logps"] = self._completion_logps(self.model, output)
-        if not self.armor_active:
-            return
-        rollout = self.anchor_rollout
-        same_call = args.use_anchors and rollout is not None and rollout.same_call_round  # (every round of a batch alike)
-        needs_ref_logps = args.use_mixed_ratio or args.off_policy_ratio or args.beta != 0.0  # (β: ARMOR + KL)
-        if needs_ref_logps and same_call and "old_per_token_logps" in output:
-            # π_ref holds the weights that generated this batch: its log-probs are the old policy's, already computed
-            output["armor_ref_logps"] = output["old_per_token_logps"]
-        elif needs_ref_logps:
-            model = self.reference.model if self.reference.kind == "full" else self.model
-            with self.reference.active(self.unwrapped_policy()):
-                output["armor_ref_logps"] = self._completion_logps(model, output)
-        if args.off_policy_ratio:
-            if output.get("old_per_token_logps") is None:
-                output["old_per_token_logps"] = self._completion_logps(self.model, output)
-            # ordinary off-policy IS on anchor tokens: their "old" policy is π_ref, so TRL's ratio is π_θ/π_ref
-            output["old_per_token_logps"] = torch.where(output["armor_is_anchor"].unsqueeze(1), output["armor_ref_logps"],
-                                                        output["old_per_token_logps"])
-
     @torch.no_grad()
     def _completion_logps(self, model, output: dict) -> torch.Tensor:
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        return seam.per_token_logps(self, model, input_ids, attention_mask, output["completion_ids"].size(1),
-                                    self.args.per_device_train_batch_size, **forward_kwargs(output))
+        return trl_generation.per_token_logps(self, model, input_ids, attention_mask, output["completion_ids"].size(1),
+                                              self.args.per_device_train_batch_size, **forward_kwargs(output))
 
     def _shape_anchor_advantages(self, output: dict) -> None:
         """Anchor-row advantage options: never negative (`mask_negative_anchor_advantage`), weighted by λ."""
@@ -385,7 +350,7 @@ class ArmorGRPOTrainer(GRPOTrainer):
 
     # --- mixed optimization ----------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if seam.logps_call_skipped(self):  # a round's old log-probs, made for the batch that trains (_add_logprobs)
+        if trl_generation.logps_call_skipped(self):  # a round's old log-probs, made for the batch that trains
             return None, None, None
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -398,9 +363,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
         ref_logps = inputs.get("armor_ref_logps") if self.args.use_mixed_ratio else None
         alpha, replace, loss_inputs = self.armor_alpha, (lambda logps: logps), inputs  # identity: plain ratio
         if ref_logps is not None:
-            loss_inputs = self._mixed_old_inputs(inputs, ref_logps, alpha)
+            loss_inputs = mixed_old_inputs(inputs, ref_logps, alpha, self.off_policy_mask_threshold is not None)
             replace = lambda logps: mixed_logprobs(logps, ref_logps, alpha)  # noqa: E731
-        held, coef = micro_batch_share(self, inputs), seam.entropy_bonus_coef(self)  # (coef: before TRL updates it)
+        held = micro_batch_share(self, inputs, seam.step_micro_batches(self, inputs), seam.entropy_bonus_enabled(self))
+        coef = seam.entropy_bonus_coef(self)  # (read before TRL's loss updates it)
         loss_inputs = over_kept_rows(self.loss_type, loss_inputs, held)  # rows out of the loss leave its normaliser
         beta = self.args.beta if "armor_ref_logps" in inputs else 0.0
         if beta:  # ARMOR + KL: TRL's KL term, of π_θ against π_ref on the on-policy rows (mixture.kl_reference_logps)
@@ -418,22 +384,6 @@ class ArmorGRPOTrainer(GRPOTrainer):
         self.armor_metrics.loss_ratios(inputs, policy["logps"].detach(), policy["entropies"], ref_logps, alpha,
                                        self.epsilon_low, self.epsilon_high, self.importance_sampling_level)
         return loss
-
-    def _mixed_old_inputs(self, inputs: dict, ref_logps: torch.Tensor, alpha: float) -> dict:
-        """The old policy's (and vLLM's sampling) log-probs as mixtures with π_ref, so TRL's ratio is r_mix."""
-        old_logps = inputs.get("old_per_token_logps")
-        mixed_old = None if old_logps is None else mixed_logprobs(old_logps, ref_logps, alpha)
-        if mixed_old is not None:
-            inputs = {**inputs, "old_per_token_logps": mixed_old}
-        sampling = inputs.get("sampling_per_token_logps")
-        if sampling is not None and self.off_policy_mask_threshold is not None:
-            # TRL's off-policy mask compares these with the (mixture) log-probs of the loss: mix them too, so it
-            # compares like with like; anchor rows (NaN: not sampled by the engine) fall back to the mixed old ones.
-            mixed_sampling = mixed_logprobs(sampling, ref_logps, alpha)
-            if mixed_old is not None:
-                mixed_sampling = torch.where(torch.isnan(sampling), mixed_old, mixed_sampling)
-            inputs = {**inputs, "sampling_per_token_logps": mixed_sampling}
-        return inputs
 
     def save_model(self, output_dir: str | None = None, *args, **kwargs):
         if self.reference is None:

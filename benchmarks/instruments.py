@@ -1,20 +1,21 @@
 """Timers around the training step's phases, and memory readings. Used inside worker processes only.
 
 The time split of one optimizer step comes from wrapping TRL's hook methods on the trainer instance (the ones
-``armor_trl.integration.trl_seam`` lists, plus ``_prepare_inputs`` and ``training_step``) and the ``trl_seam`` helpers through
-which ARMOR samples and scores reference candidates and computes reference log-probs (and ``vllm_engine``'s, through
+``armor_trl.integration.trl_seam`` lists, plus ``_prepare_inputs`` and ``training_step``) and the ``trl_generation`` helpers
+through which ARMOR samples and scores reference candidates and computes reference log-probs (and ``vllm_engine``'s, through
 which it pushes π_ref's weights). Nothing of
 ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRPOTrainer and ArmorGRPOTrainer:
 
 * ``policy_gen``   TRL's ``GRPOTrainer._generate_single_turn`` for the training rows (for ARMOR: the on-policy rows
-                   only; its anchor candidates go through the same method inside ``trl_seam.generate``)
-* ``anchor_gen``   ``trl_seam.generate``: the reference candidates, K per group
-* ``anchor_score`` the rest of ARMOR's ``_generate_single_turn``: ``trl_seam.score_quietly`` (rewards of the
+                   only; its anchor candidates go through the same method inside ``trl_generation.generate``)
+* ``anchor_gen``   ``trl_generation.generate``: the reference candidates, K per group
+* ``anchor_score`` the rest of ARMOR's ``_generate_single_turn``: ``trl_generation.score_quietly`` (rewards of the
                    candidates), decoding, selection, cache bookkeeping, the switch to the reference; where only
                    eligible groups get candidates (dynamic sampling) also the on-policy rows' rewards, scored there
                    first (``reward`` then holds TRL's reuse of them)
 * ``ref_fwd``      log-probs computed while the generation batch is built (π_ref's and, when TRL needs them, π_old's):
-                   ``trl_seam.per_token_logps`` (ArmorGRPOTrainer; under dynamic sampling π_old's too) or, for GRPO with beta > 0,
+                   ``trl_generation.per_token_logps`` (ArmorGRPOTrainer; under dynamic sampling π_old's too) or, for GRPO
+                   with beta > 0,
                    ``_get_per_token_logps_and_entropies`` called during ``_generate_and_score_completions``
 * ``reward``       ``_calculate_rewards`` (instance) for the training rows
 * ``gen_other``    rest of ``_generate_and_score_completions`` (tokenize, decode, advantages, metrics)
@@ -155,15 +156,16 @@ def _instrument_seam(timers: Timers) -> None:
     """ARMOR: the seam helpers, and TRL's generation method where ARMOR calls it for the on-policy rows."""
     from trl import GRPOTrainer
 
-    from armor_trl.integration import trl_seam, vllm_engine
+    from armor_trl.integration import trl_generation, vllm_engine
 
     after = lambda key: (lambda: key + "_after" if "deferred" in timers.flags else key)  # noqa: E731
-    trl_seam.generate = timers.wrap(trl_seam.generate, None, flag="anchor_gen", key_fn=after("anchor_generate"))
-    trl_seam.score_quietly = timers.wrap(trl_seam.score_quietly, "anchor_score")
-    trl_seam.per_token_logps = timers.wrap(trl_seam.per_token_logps, "ref_fwd_armor",
-                                           rows_fn=lambda args, result: args[2].size(0))  # (trainer, model, input_ids)
+    trl_generation.generate = timers.wrap(trl_generation.generate, None, flag="anchor_gen",
+                                          key_fn=after("anchor_generate"))
+    trl_generation.score_quietly = timers.wrap(trl_generation.score_quietly, "anchor_score")
+    trl_generation.per_token_logps = timers.wrap(trl_generation.per_token_logps, "ref_fwd_armor",
+                                                 rows_fn=lambda args, result: args[2].size(0))  # (trainer, model, input_ids)
     vllm_engine.push_to_engine = timers.wrap(vllm_engine.push_to_engine, None, key_fn=after("ref_push"))
-    # the class attribute, which ARMOR's override reaches through super(); inside trl_seam.generate it is anchors
+    # the class attribute, which ARMOR's override reaches through super(); inside trl_generation.generate it is anchors
     GRPOTrainer._generate_single_turn = timers.wrap(
         GRPOTrainer._generate_single_turn, None,
         key_fn=lambda: None if "anchor_gen" in timers.flags else "policy_generate",

@@ -18,7 +18,10 @@ from trl import GRPOTrainer
 from armor_trl.rollout import anchor_waves
 from armor_trl.rollout.anchor_waves import eligible_groups, filters_groups
 from armor_trl.rollout.anchors import select_anchors
-from testing import has_digit_reward, logged, make_trainer, numbers_dataset, trainable_state
+import testing
+from testing import (
+    capture_rounds, has_digit_reward, logged, make_trainer, numbers_dataset, trainable_state, with_a_busier_process,
+)
 
 G, K = 4, 4
 
@@ -107,27 +110,13 @@ def run(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, numbers=range(40
     generate, deferred = trainer.anchor_rollout.generate, trainer.anchor_rollout.deferred_anchors
     trainer.anchor_rollout.generate = lambda *args: fake.start_round() or generate(*args)
     trainer.anchor_rollout.deferred_anchors = lambda *args: fake.start_deferred_draw() or deferred(*args)
-    batches = []
-    original = trainer._generate_and_score_completions
-
-    def recording(inputs):
-        batch = original(inputs)
-        batches.append({k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()})
-        return batch
-
-    trainer._generate_and_score_completions = recording
+    batches = capture_rounds(trainer)
     trainer.train()
     return trainer, batches, fake
 
 
 def kept_rows(batch):
-    """The rows in the loss: (prompt ids, completion ids, advantage, anchor flag), in batch order."""
-    rows = []
-    for i in torch.nonzero(batch["completion_mask"].sum(dim=1) > 0).flatten().tolist():
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
-        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()
-        rows.append((prompt, completion, round(batch["advantages"][i].item(), 6), bool(batch["armor_is_anchor"][i])))
-    return rows
+    return testing.kept_rows(batch, digits=6)
 
 
 GATES = ("armor/groups_kept_frac", "armor/dropped_all_correct_frac", "armor/dropped_all_wrong_frac",
@@ -428,12 +417,7 @@ def test_processes_sample_as_many_rows_as_the_busiest_one(tiny_model_path, tiny_
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path, dynamic_sampling=True,
                            anchor_sampling=sampling, anchor_reward_threshold=2.0)  # nothing passes: K draws each
     rollout = trainer.anchor_rollout
-    def gather(tensor):  # the other process: 2 more groups to sample (counts are integer tensors of one element)
-        other = tensor + 2 if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() == 1 else tensor
-        return torch.cat([tensor, other])
-
-    monkeypatch.setattr(trainer.accelerator, "gather", gather)
-    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    with_a_busier_process(monkeypatch, trainer)  # the other process: 2 more groups to sample
     rows = count_reference_rows(monkeypatch, trainer)
     prompts = [f"{n}+{n + 1}=" for n in range(4)]
     prompt_ids = [tiny_tokenizer(p)["input_ids"] for p in prompts]
@@ -463,13 +447,7 @@ def test_a_process_with_nothing_to_sample_pads_the_others_calls(tiny_model_path,
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path, dynamic_sampling=True,
                            anchor_sampling=sampling, anchor_reward_threshold=2.0, anchor_cache=idle == "all_cache_hits")
     rollout = trainer.anchor_rollout
-
-    def gather(tensor):  # the other process: 2 more groups to sample (counts are integer tensors of one element)
-        other = tensor + 2 if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() == 1 else tensor
-        return torch.cat([tensor, other])
-
-    monkeypatch.setattr(trainer.accelerator, "gather", gather)
-    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    with_a_busier_process(monkeypatch, trainer)  # the other process: 2 more groups to sample
     rows = count_reference_rows(monkeypatch, trainer)
     prompts = [f"{n}+{n + 1}=" for n in range(4)]
     prompt_ids = [tiny_tokenizer(p)["input_ids"] for p in prompts]
@@ -503,13 +481,7 @@ def test_the_draw_after_the_loop_pads_to_the_busiest_process_and_fills_only_its_
 
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(range(8)), tmp_path, dynamic_sampling=True,
                            anchor_filter="keep", anchor_reward_threshold=threshold)
-
-    def gather(tensor):
-        other = tensor + 2 if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() == 1 else tensor
-        return torch.cat([tensor, other])
-
-    monkeypatch.setattr(trainer.accelerator, "gather", gather)
-    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    with_a_busier_process(monkeypatch, trainer)
     rows = count_reference_rows(monkeypatch, trainer)
     prompts = [f"{n}+{n + 1}=" for n in range(4)]
     prompt_ids = torch.tensor([tiny_tokenizer(p)["input_ids"] for p in prompts]).repeat_interleave(G, dim=0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,50 +290,43 @@ def test_guard_state_loads_known_fields_only(tiny_model_path, tiny_tokenizer, pr
     assert guard.trainer is trainer and guard.action == "stop" and guard.drop == 0.1
 
 
+def resumed_run_rolls_back(tiny_model_path, tiny_tokenizer, dataset, first: Path, resumed: Path, moved: bool = False):
+    """A rollback run writes validations 1-4 (best at step 2) and checkpoints to ``first`` and stops after step 4; a
+    second run resumes from its checkpoint-4 and writes to ``resumed`` (with ``moved``: the folder ``first`` is moved
+    there before). The guard fires at step 5 and rolls back to checkpoint-2 where the checkpoints now are, and step 6
+    starts from its weights. Returns the resumed trainer."""
+    from testing import StopAt
+
+    saving = dict(save_strategy="steps", save_steps=1, max_steps=6, use_anchors=False, use_mixed_ratio=False)
+    run = guarded(tiny_model_path, tiny_tokenizer, dataset, first, action="rollback", **saving)
+    run.add_callback(StopAt(4))
+    run.train()
+    if moved:
+        shutil.move(str(first), str(resumed))
+    checkpoints = resumed if moved else first
+    trainer = guarded(tiny_model_path, tiny_tokenizer, dataset, resumed, action="rollback", **saving)
+    snapshot = Snapshot(trainer)
+    trainer.add_callback(snapshot)
+    trainer.train(resume_from_checkpoint=str(checkpoints / "checkpoint-4"))
+    fired = trainer.collapse_guard.fired
+    assert (fired["step"], fired["best_step"]) == (5, 2)
+    assert fired["best_checkpoint"] == str(checkpoints / "checkpoint-2")
+    best = load_file(str(checkpoints / "checkpoint-2" / "model.safetensors"))
+    assert max(((best[n] - snapshot.at[5][n]).abs().max().item() for n in best)) == 0.0  # step 6 starts from it
+    return trainer
+
+
 def test_a_run_resumed_into_another_output_dir_rolls_back_to_the_checkpoint_it_recorded(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    from testing import StopAt
-
-    # validations 1-4 (best at step 2) written by the first run in first/; the resumed run writes to second/
-    saving = dict(save_strategy="steps", save_steps=1, max_steps=6, use_anchors=False, use_mixed_ratio=False)
-    first = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "first", action="rollback", **saving)
-    first.add_callback(StopAt(4))
-    first.train()
-    resumed = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "second", action="rollback",
-                      **saving)
-    snapshot = Snapshot(resumed)
-    resumed.add_callback(snapshot)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-4"))
-    fired = resumed.collapse_guard.fired
-    assert (fired["step"], fired["best_step"]) == (5, 2)
-    assert fired["best_checkpoint"] == str(tmp_path / "first" / "checkpoint-2")
-    best = load_file(str(tmp_path / "first" / "checkpoint-2" / "model.safetensors"))
-    assert max(((best[n] - snapshot.at[5][n]).abs().max().item() for n in best)) == 0.0  # step 6 starts from it
+    resumed_run_rolls_back(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "first", tmp_path / "second")
 
 
 def test_a_moved_run_folder_rolls_back_to_the_checkpoint_in_its_new_place(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    import shutil
-
-    from testing import StopAt
-
-    # validations 1-4 (best at step 2) written in run1/; the folder is then moved to run2/ and resumed there
-    saving = dict(save_strategy="steps", save_steps=1, max_steps=6, use_anchors=False, use_mixed_ratio=False)
-    first = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "run1", action="rollback", **saving)
-    first.add_callback(StopAt(4))
-    first.train()
-    shutil.move(str(tmp_path / "run1"), str(tmp_path / "run2"))
-    resumed = guarded(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "run2", action="rollback", **saving)
-    snapshot = Snapshot(resumed)
-    resumed.add_callback(snapshot)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "run2" / "checkpoint-4"))
-    fired = resumed.collapse_guard.fired
-    assert (fired["step"], fired["best_step"]) == (5, 2)
-    assert fired["best_checkpoint"] == str(tmp_path / "run2" / "checkpoint-2")
-    best = load_file(str(tmp_path / "run2" / "checkpoint-2" / "model.safetensors"))
-    assert max(((best[n] - snapshot.at[5][n]).abs().max().item() for n in best)) == 0.0  # step 6 starts from it
+    resumed_run_rolls_back(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "run1", tmp_path / "run2",
+                           moved=True)
     # the history the checkpoints hold is relative to the run folder they were written in
     history = read_state(str(tmp_path / "run2" / "checkpoint-5"))["parts"]["collapse_guard"]
     assert history["checkpoints"] == [f"checkpoint-{step}" for step in range(1, 6)]

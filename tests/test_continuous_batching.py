@@ -7,7 +7,7 @@ from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.rollout.anchors import anchor_rows
 from armor_trl.reference.policy import REF_ADAPTER, adapter_parameters
 from testing import (StopAt, capture_rounds, check_exact_resume, cpu_args, digit_share_reward, has_digit_reward, logged,
@@ -40,7 +40,7 @@ def test_anchors_on_the_continuous_batching_path_come_from_the_reference(tiny_mo
                            reward_funcs=digit_share_reward, anchor_reward_threshold=0.1, anchor_same_call=False,
                            ref_reset_steps=None, **CB)
     candidates = []
-    original = seam.generate
+    original = trl_generation.generate
 
     def recording(t, prompt_ids, n):
         ids = original(t, prompt_ids, n)
@@ -48,7 +48,7 @@ def test_anchors_on_the_continuous_batching_path_come_from_the_reference(tiny_mo
             candidates.append(ids)
         return ids
 
-    monkeypatch.setattr(seam, "generate", recording)
+    monkeypatch.setattr(trl_generation, "generate", recording)
     rounds = capture_rounds(trainer)
     trainer.train()
 

@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from armor_trl.integration import trl_seam
+from armor_trl.integration import trl_generation
 from armor_trl.callbacks.evaluation import (
     NothingJudgedError, completion_logps, evaluate, evaluate_with_trainer, pass_at_k, pass_curve, sample_completions,
     shard,
@@ -115,6 +115,18 @@ def test_fewer_samples_than_k_is_refused_before_generating(tiny_tokenizer):
     assert model.calls == []
     with pytest.raises(ValueError, match=r"num_samples \(2\) must be >= k \(4\)"):
         ValidationCallback(dataset, exact_integer_reward, every_steps=1, k=4, num_samples=2)
+
+
+def test_an_unknown_sampling_setting_is_refused_naming_the_settings(tiny_tokenizer):
+    dataset = Dataset.from_dict({"prompt": ["1+1="], "answer": ["2"]})
+    model = ScriptedModel(tiny_tokenizer, {"1+1=": 1})
+    message = r"unknown sampling settings \['max_tokens'\]: the settings are \['batch_size', 'max_new_tokens', " \
+              r"'temperature', 'top_p'\]"
+    with pytest.raises(TypeError, match=message):
+        evaluate(model, tiny_tokenizer, dataset, exact_integer_reward, k=1, max_tokens=4)
+    assert model.calls == []
+    with pytest.raises(TypeError, match=message):
+        evaluate_with_trainer(None, dataset, exact_integer_reward, k=1, max_tokens=4)  # before the trainer is used
 
 
 def test_sampling_with_a_real_model_is_reproducible(tiny_model_path, tiny_tokenizer, chat_dataset):
@@ -266,22 +278,22 @@ def test_sampling_with_sets_validation_settings_for_the_block_and_restores_train
 ):
     trainer = _grpo_trainer(tiny_model_path, prompt_dataset, tmp_path)
     config, kwargs = trainer.generation_config, trainer.generation_kwargs
-    with trl_seam.sampling_with(trainer, temperature=1.3, top_p=0.6, max_tokens=3):
+    with trl_generation.sampling_with(trainer, temperature=1.3, top_p=0.6, max_tokens=3):
         inside = trainer.generation_config
         assert (inside.temperature, inside.top_p, inside.max_new_tokens, inside.do_sample) == (1.3, 0.6, 3, True)
         assert (trainer.temperature, trainer.top_p, trainer.max_completion_length) == (1.3, 0.6, 3)
         assert inside.eos_token_id == config.eos_token_id and inside.pad_token_id == config.pad_token_id
-    with trl_seam.sampling_with(trainer, temperature=0, top_p=1.0, max_tokens=5):
+    with trl_generation.sampling_with(trainer, temperature=0, top_p=1.0, max_tokens=5):
         assert not trainer.generation_config.do_sample and trainer.generation_config.max_new_tokens == 5
     assert trainer.generation_config is config and trainer.generation_kwargs is kwargs
     assert (trainer.temperature, trainer.top_p, trainer.max_completion_length) == (0.7, 1.0, 8)
-    with pytest.raises(ValueError, match="top_p"), trl_seam.sampling_with(trainer, 1.0, 0.0, 4):
+    with pytest.raises(ValueError, match="top_p"), trl_generation.sampling_with(trainer, 1.0, 0.0, 4):
         pass
     # vLLM: the engine wrapper's attributes are what TRL reads; its generation_kwargs must not override them
     engine = SimpleNamespace(temperature=0.7, top_p=1.0, max_completion_length=8,
                              generation_kwargs={"temperature": 0.7, "max_tokens": 8, "seed": 1})
     fake = SimpleNamespace(use_vllm=True, temperature=0.7, top_p=1.0, max_completion_length=8, vllm_generation=engine)
-    with trl_seam.sampling_with(fake, temperature=1.0, top_p=0.7, max_tokens=4):
+    with trl_generation.sampling_with(fake, temperature=1.0, top_p=0.7, max_tokens=4):
         assert (engine.temperature, engine.top_p, engine.max_completion_length) == (1.0, 0.7, 4)
         assert engine.generation_kwargs == {"seed": 1}
     assert (engine.temperature, engine.top_p, engine.max_completion_length) == (0.7, 1.0, 8)
@@ -327,8 +339,9 @@ def test_evaluate_with_trainer_uses_its_generation_path_with_validation_settings
 
 def test_attached_callback_validates_through_the_trainer(tiny_model_path, prompt_dataset, tmp_path, monkeypatch):
     calls = []
-    generate = trl_seam.generate
-    monkeypatch.setattr(trl_seam, "generate", lambda trainer, ids, n: calls.append(len(ids)) or generate(trainer, ids, n))
+    generate = trl_generation.generate
+    monkeypatch.setattr(trl_generation, "generate",
+                        lambda trainer, ids, n: calls.append(len(ids)) or generate(trainer, ids, n))
     trainer = _grpo_trainer(tiny_model_path, prompt_dataset, tmp_path, max_steps=1)
     callback = ValidationCallback(prompt_dataset.select(range(3)), has_digit_reward, every_steps=1, k=2,
                                   num_samples=2, max_new_tokens=4, batch_size=2).attach(trainer)

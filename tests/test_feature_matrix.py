@@ -43,7 +43,7 @@ from PIL import Image
 from armor_trl import ArmorConfig, ArmorGRPOTrainer, generate_completions
 from armor_trl.reference.policy import REF_ADAPTER
 from armor_trl.rollout import anchor_rollout, anchor_waves
-from testing import cpu_args, logged
+from testing import capture_rounds, cpu_args, kept_rows, logged
 
 # --- the features and their levels ------------------------------------------------------------------------------------
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "vespo")
@@ -327,16 +327,6 @@ def check_rows_keep_their_images(batch, processor) -> None:
         assert torch.equal(pixels.cpu(), expected["pixel_values"]), text
 
 
-def kept_rows(batch) -> list:
-    """The rows in the loss: (prompt ids, completion ids, advantage, anchor flag), in batch order."""
-    rows = []
-    for i in torch.nonzero(batch["completion_mask"].sum(dim=1) > 0).flatten().tolist():
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
-        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()
-        rows.append((prompt, completion, round(batch["advantages"][i].item(), 5), bool(batch["armor_is_anchor"][i])))
-    return rows
-
-
 def first_difference(rows: list, expected: list):
     """Where two lists of kept rows first differ, for the assertion's message."""
     index = next((i for i, (a, b) in enumerate(zip(rows, expected)) if a != b), min(len(rows), len(expected)))
@@ -356,15 +346,7 @@ def train(row, output_dir, model_path, processing_class, monkeypatch, paper=Fals
     if row["processes"] == "two":  # the other process has two more groups to draw in every collective call
         for module in (anchor_waves, anchor_rollout):
             monkeypatch.setattr(module, "agreed_count", lambda trainer, local: local + 2)
-    batches = []
-    original = trainer._generate_and_score_completions
-
-    def recording(inputs):
-        batch = original(inputs)
-        batches.append({k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()})
-        return batch
-
-    trainer._generate_and_score_completions = recording
+    batches = capture_rounds(trainer)
     check_reference_logps_at_the_loss(trainer)
     trainer.train(resume_from_checkpoint=resume_from)
     if row["prompts"] == "vlm":

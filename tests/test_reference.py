@@ -114,15 +114,15 @@ def test_explicit_ref_model_path_is_used(tiny_model_path, tiny_tokenizer, prompt
 # --- exact resets through the trainer -------------------------------------------------------------------------------
 def logps_gap(trainer):
     """max |log π_θ − log π_ref| over the completion tokens of a fixed batch, computed as the trainer does."""
-    from armor_trl.integration import trl_seam as seam
+    from armor_trl.integration import trl_generation
 
     input_ids = torch.tensor([[1, 3, 4, 5, 20, 21, 30, 4, 5, 6, 7, 8], [1, 9, 10, 3, 4, 20, 11, 12, 13, 14, 15, 16]])
     mask = torch.ones_like(input_ids)
     with torch.no_grad():
-        policy = seam.per_token_logps(trainer, trainer.model, input_ids, mask, 8, 2)
+        policy = trl_generation.per_token_logps(trainer, trainer.model, input_ids, mask, 8, 2)
         model = trainer.reference.model if trainer.reference.kind == "full" else trainer.model
         with trainer.reference.active(trainer.unwrapped_policy()):
-            reference = seam.per_token_logps(trainer, model, input_ids, mask, 8, 2)
+            reference = trl_generation.per_token_logps(trainer, model, input_ids, mask, 8, 2)
     return (policy - reference).abs().max().item()
 
 

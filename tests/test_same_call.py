@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from testing import cpu_args, logged, make_trainer
 
 
@@ -119,7 +119,8 @@ def _rollout_statistics(trainer, same_call: bool, rounds: int, seed: int) -> dic
     torch.manual_seed(seed)
     verified, found, lengths, anchor_lengths, engaged = [], [], [], [], []
     for _ in range(rounds):
-        ids, _, anchors = rollout.generate(lambda p, n: (seam.generate(trainer, p, n), None), prompts, g, inputs)
+        ids, _, anchors = rollout.generate(lambda p, n: (trl_generation.generate(trainer, p, n), None), prompts, g,
+                                           inputs)
         engaged.append(rollout.same_call_round)
         verified += anchors.candidates_verified.float().tolist()
         found += anchors.has_anchor.float().tolist()

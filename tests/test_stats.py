@@ -185,3 +185,31 @@ def test_carry_mix_criterion_needs_both_falls_on_enough_warm_checkpoints():
     assert carry_mix_criterion({"a": falls})["met"] is None  # fewer warm checkpoints than the rule needs
     with pytest.raises(ValueError, match="val/train_carry/mode/carrying"):
         carry_mix_criterion({"a": {0: {"val": [(0, 0.3)], "set_modes": {}}}})
+
+
+def diagnostic_run(anchor_modes, policy_modes, kept=2.0):
+    steps = sorted({s for curve in (*anchor_modes.values(), *policy_modes.values()) for s, _ in curve})
+    return {"anchor_modes": anchor_modes, "policy_modes": policy_modes, "anchors_kept": [(s, kept) for s in steps],
+            "kept_anchor_advantage": [(s, 1.0) for s in steps]}
+
+
+def test_a_prompt_types_share_is_averaged_over_the_rounds_that_had_rows_of_that_type():
+    # three rounds with anchors; carry-prompt anchors only in round 2, where they all carry: the carry-prompt share is
+    # 1, not 1/3 (a round without carry-prompt rows has no share, it is not a share of 0)
+    anchors = {"worked": [(0, 1.0), (1, 1.0), (2, 0.5)], "carrying": [(2, 0.5)],
+               "no_carry/worked": [(0, 1.0), (1, 1.0), (2, 1.0)], "carry/carrying": [(2, 1.0)]}
+    # on-policy carry-prompt rows in rounds 0 and 2: carrying half of the time in round 0, never in round 2
+    policy = {"worked": [(0, 0.75), (1, 1.0), (2, 0.75)], "carrying": [(0, 0.25)], "direct": [(2, 0.25)],
+              "no_carry/worked": [(0, 1.0), (1, 1.0), (2, 1.0)],
+              "carry/carrying": [(0, 0.5)], "carry/worked": [(0, 0.5), (2, 0.5)], "carry/direct": [(2, 0.5)]}
+    diagnostic = stats.anchor_diagnostic([diagnostic_run(anchors, policy)])
+    assert diagnostic["anchor_modes"]["carry/carrying"] == pytest.approx(1.0)
+    assert diagnostic["policy_modes"]["carry/carrying"] == pytest.approx(0.25)  # (0.5 + 0) / 2 rounds
+    assert diagnostic["policy_modes"]["carry/worked"] == pytest.approx(0.5)
+    assert diagnostic["policy_modes"]["carry/direct"] == pytest.approx(0.25)
+    # each prompt type's shares add up to 1, like the overall ones (the overall average is over every round)
+    for modes in (diagnostic["anchor_modes"], diagnostic["policy_modes"]):
+        for prompt_type in ("carry", "no_carry", ""):
+            assert sum(v for m, v in modes.items() if m.rpartition("/")[0] == prompt_type) == pytest.approx(1.0)
+    assert diagnostic["anchor_modes"]["carrying"] == pytest.approx(0.5 / 3)
+    assert diagnostic["policy_modes"]["carrying"] == pytest.approx(0.25 / 3)

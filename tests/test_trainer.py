@@ -8,7 +8,7 @@ from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer, mixed_logprobs
-from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.rollout.anchors import anchor_rows
 from testing import capture_rounds, cpu_args, has_digit_reward, logged, make_trainer, trainable_state
 
@@ -66,14 +66,14 @@ def test_anchors_come_from_the_reference_and_join_their_group(tiny_model_path, t
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, max_steps=2, anchor_num_samples=4,
                            anchor_same_call=False)  # a separate call on π_ref also at step 0 (same-call: its own tests)
     generation_calls = []
-    original_generate = seam.generate
+    original_generate = trl_generation.generate
 
     def recording_generate(t, prompt_ids, num_generations):
         ids = original_generate(t, prompt_ids, num_generations)
         generation_calls.append((t.model_wrapped is trainer.reference.model, ids))
         return ids
 
-    monkeypatch.setattr(seam, "generate", recording_generate)
+    monkeypatch.setattr(trl_generation, "generate", recording_generate)
     rounds = capture_rounds(trainer)
     trainer.train()
 
@@ -216,7 +216,7 @@ def test_loss_is_the_clipped_surrogate_of_the_mixed_ratio(tiny_model_path, tiny_
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     with torch.no_grad():
-        logp = seam.per_token_logps(trainer, trainer.model, input_ids, attention, logits_to_keep, 8)
+        logp = trl_generation.per_token_logps(trainer, trainer.model, input_ids, attention, logits_to_keep, 8)
     inputs["old_per_token_logps"] = logp + 0.5 * torch.randn_like(logp)
     if inputs["advantages"].abs().sum() == 0:
         inputs["advantages"] = torch.linspace(-1, 1, 8)
@@ -370,7 +370,8 @@ def test_off_policy_mask_compares_mixture_with_mixture(tiny_model_path, tiny_tok
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     with torch.no_grad():
-        current = seam.per_token_logps(trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1), 8)
+        current = trl_generation.per_token_logps(trainer, trainer.model, input_ids, attention_mask,
+                                                 batch["completion_ids"].size(1), 8)
     batch["old_per_token_logps"] = current
     batch["sampling_per_token_logps"] = current
     batch["advantages"] = -batch["advantages"].abs() - 1.0  # the mask only acts on negative advantages

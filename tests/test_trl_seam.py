@@ -11,7 +11,7 @@ from packaging.version import Version
 from packaging.specifiers import SpecifierSet
 
 import armor_trl
-from armor_trl.integration import trl_seam, vllm_engine
+from armor_trl.integration import trl_generation, trl_seam, vllm_engine
 
 
 _getsource = inspect.getsource
@@ -121,9 +121,10 @@ def test_no_module_but_the_seam_touches_trls_private_surface(tiny_model_path, ti
     private = private_names_of_grpo_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
     assert {"_metrics", "_is_vlm", "_get_output_dir", "_determine_best_metric"} <= private  # the scan sees them
     package = Path(armor_trl.__file__).parent
-    # the seam's two halves: TRL's (and transformers') private names, and TRL's vLLM wrapper with vLLM's own names
-    seam = {Path(trl_seam.__file__).resolve(), Path(vllm_engine.__file__).resolve()}
-    assert {path.name for path in seam} == {"trl_seam.py", "vllm_engine.py"}
+    # the seam's modules: TRL's (and transformers') private names with the surface check, TRL's generation and scoring
+    # path, and TRL's vLLM wrapper with vLLM's own names
+    seam = {Path(module.__file__).resolve() for module in (trl_seam, trl_generation, vllm_engine)}
+    assert {path.name for path in seam} == {"trl_seam.py", "trl_generation.py", "vllm_engine.py"}
     assert all(path.parent == package.resolve() / "integration" for path in seam)
     offences = []
     for path in sorted(package.rglob("*.py")):
@@ -142,6 +143,27 @@ def test_no_module_but_the_seam_touches_trls_private_surface(tiny_model_path, ti
                 if not (via_super and node.attr in trl_seam.OVERRIDDEN):
                     offences.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert offences == [], "\n".join(offences)
+
+
+def test_the_surface_lists_every_private_name_the_generation_half_touches(tiny_model_path, tiny_tokenizer,
+                                                                         prompt_dataset, tmp_path):
+    """trl_generation touches TRL's private names only through the lists check_trl_surface checks."""
+    private = private_names_of_grpo_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path)
+    listed = {*trl_seam.OVERRIDDEN, *trl_seam.CALLED, *trl_seam.ATTRIBUTES, *trl_seam.VLLM_ATTRIBUTES}
+    tree = ast.parse(Path(trl_generation.__file__).read_text())
+    touched = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in private}
+    assert {"_generate_single_turn", "_calculate_rewards", "_tokenizer"} <= touched  # the scan sees them
+    assert touched - listed == set()
+    helpers = {f"{node.module}.{alias.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and (node.module or "").startswith("trl.") for alias in node.names}
+    assert helpers and helpers <= set(trl_seam.HELPERS)
+
+
+def test_surface_check_detects_a_missing_helper(monkeypatch):
+    import trl.data_utils
+
+    monkeypatch.delattr(trl.data_utils, "is_conversational")
+    assert any("trl.data_utils.is_conversational cannot be imported" in p for p in trl_seam.check_trl_surface())
 
 
 def test_names_replaced_by_overlapping_blocks_are_restored_whatever_order_they_end_in(monkeypatch):

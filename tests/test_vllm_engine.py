@@ -30,6 +30,7 @@ from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from armor_trl.integration import trl_generation  # noqa: E402
 from armor_trl.integration import trl_seam as seam  # noqa: E402
 from armor_trl.integration import vllm_engine  # noqa: E402
 from armor_trl.integration.checkpoint import STATE_FILE  # noqa: E402
@@ -96,7 +97,7 @@ class EngineCalls:
     @torch.no_grad()
     def logps(self, model, prompt, completion):
         ids = torch.tensor([list(prompt) + list(completion)])
-        return seam.per_token_logps(self.trainer, model, ids, torch.ones_like(ids), len(completion), 1)[0]
+        return trl_generation.per_token_logps(self.trainer, model, ids, torch.ones_like(ids), len(completion), 1)[0]
 
     def distance(self, prompts, completions, engine_logps, as_reference: bool) -> float:
         trainer = self.trainer

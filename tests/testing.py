@@ -18,7 +18,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
-from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"  # what the tests launch in subprocesses (torchrun, accelerate, a killed run)
@@ -116,16 +116,38 @@ def capture_rounds(trainer):
     return rounds
 
 
+def kept_rows(batch, digits: int = 5) -> list:
+    """The rows in a batch's loss: (prompt ids, completion ids, advantage rounded to ``digits``, anchor flag), in batch
+    order."""
+    rows = []
+    for i in torch.nonzero(batch["completion_mask"].sum(dim=1) > 0).flatten().tolist():
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()
+        rows.append((prompt, completion, round(batch["advantages"][i].item(), digits), bool(batch["armor_is_anchor"][i])))
+    return rows
+
+
+def with_a_busier_process(monkeypatch, trainer, more: int = 2) -> None:
+    """Make ``trainer`` one process of two whose other process has ``more`` groups to draw in every collective count
+    (the counts gathered are integer tensors of one element; every other gather sees both processes alike)."""
+    def gather(tensor):
+        other = tensor + more if tensor.dtype in (torch.int64, torch.int32) and tensor.numel() == 1 else tensor
+        return torch.cat([tensor, other])
+
+    monkeypatch.setattr(trainer.accelerator, "gather", gather)
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+
+
 def count_reference_rows(monkeypatch, trainer):
     rows = []
-    original = seam.generate
+    original = trl_generation.generate
 
     def recording(t, prompt_ids, num_generations):
         if t.model_wrapped is trainer.reference.model:
             rows.append(len(prompt_ids))
         return original(t, prompt_ids, num_generations)
 
-    monkeypatch.setattr(seam, "generate", recording)
+    monkeypatch.setattr(trl_generation, "generate", recording)
     return rows
 
 

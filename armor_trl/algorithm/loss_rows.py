@@ -26,13 +26,15 @@ row's forward pass, taken out of the loss or not, so no micro-batch adds 0 to it
 
 TRL's own masking (e.g. ``mask_truncated_completions``) keeps TRL's definitions. With β ≠ 0 (ARMOR off) the KL term
 of a row-count loss keeps TRL's normaliser.
+
+Like the rest of :mod:`armor_trl.algorithm`, nothing here imports TRL: what only TRL's private state knows (the
+micro-batches of the current optimizer step, whether its loss adds an entropy bonus) is read by the caller through
+:mod:`armor_trl.integration.trl_seam` and passed in; ``trainer`` is used for its public attributes only.
 """
 
 from __future__ import annotations
 
 import torch
-
-from armor_trl.integration import trl_seam as seam
 
 ROW_COUNT_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")  # TRL divides these by the micro-batch's row count
 KEPT_ROWS = "armor_loss_row"  # (rows,) bool: the row is in the loss; travels with its row through TRL's shuffle
@@ -54,27 +56,21 @@ def drop_rows(trainer, output: dict, keep: torch.Tensor) -> None:
     output[KEPT_SHARE] = kept / rows
 
 
-def needs_micro_batch_share(trainer, inputs: dict) -> bool:
-    """Whether the loss of ``inputs`` needs :func:`micro_batch_share` (the same answer on every process)."""
-    return KEPT_ROWS in inputs and (trainer.loss_type == "bnpo" or seam.entropy_bonus_enabled(trainer))
+def needs_micro_batch_share(loss_type: str, entropy_bonus: bool, inputs: dict) -> bool:
+    """Whether the loss of ``inputs`` needs :func:`micro_batch_share` (the same answer on every process);
+    ``entropy_bonus``: whether TRL's loss adds its entropy bonus."""
+    return KEPT_ROWS in inputs and (loss_type == "bnpo" or entropy_bonus)
 
 
-def micro_batch_share(trainer, inputs: dict) -> torch.Tensor | None:
-    """The share of the current optimizer step's micro-batches, over all processes, that hold a row in the loss;
-    None where no row was taken out of the loss or nothing divides by it (collective: every process calls it for
-    every micro-batch)."""
-    if not needs_micro_batch_share(trainer, inputs):
+def micro_batch_share(trainer, inputs: dict, step_micro_batches: list[dict],
+                      entropy_bonus: bool) -> torch.Tensor | None:
+    """The share of the current optimizer step's micro-batches (``step_micro_batches``: this process's, ``inputs``
+    among them), over all processes, that hold a row in the loss; None where no row was taken out of the loss or
+    nothing divides by it (collective: every process calls it for every micro-batch)."""
+    if not needs_micro_batch_share(trainer.loss_type, entropy_bonus, inputs):
         return None
-    buffered = seam.buffered_micro_batches(trainer)
-    accumulation, per_generation = trainer.current_gradient_accumulation_steps, trainer.args.steps_per_generation
-    step = seam.micro_batch_step(trainer)  # the index TRL took ``inputs`` from: buffered[step % per_generation]
-    if buffered and buffered[step % per_generation] is inputs:
-        start = step - step % accumulation
-        window = [buffered[s % per_generation] for s in range(start, start + accumulation)]
-    else:  # a loss computed outside TRL's training step: the micro-batch stands alone
-        window = [inputs]
-    held = sum(bool(batch[KEPT_ROWS].any()) for batch in window)
-    counts = torch.tensor([float(held), float(len(window))], device=inputs["advantages"].device)
+    held = sum(bool(batch[KEPT_ROWS].any()) for batch in step_micro_batches)
+    counts = torch.tensor([float(held), float(len(step_micro_batches))], device=inputs["advantages"].device)
     held, micro_batches = trainer.accelerator.reduce(counts, reduction="sum")
     return held / micro_batches
 
@@ -93,8 +89,9 @@ def over_kept_rows(loss_type: str, inputs: dict, micro_batches_held: torch.Tenso
 def entropy_bonus_correction(trainer, inputs: dict, entropies, micro_batches_held, coef: float):
     """What to add to TRL's loss so that its entropy bonus, ``coef`` × the micro-batch's mean entropy over its loss
     tokens ÷ the accumulation steps, counts only the step's micro-batches that hold a kept row (0 where nothing is
-    to correct). ``coef``: the coefficient TRL applied in this micro-batch (read before TRL's loss)."""
-    if micro_batches_held is None or entropies is None or not coef or not seam.entropy_bonus_enabled(trainer):
+    to correct). ``coef``: the coefficient TRL applied in this micro-batch (read before TRL's loss; 0 without a
+    bonus)."""
+    if micro_batches_held is None or entropies is None or not coef:
         return 0.0
     mask = inputs["completion_mask"]
     if inputs.get("tool_mask") is not None:

@@ -103,6 +103,24 @@ def kl_reference_logps(ref_logp: torch.Tensor, logp: torch.Tensor, loss_logp: to
     shifted = ref_logp + (loss_logp - logp)
     return torch.where(on_policy.unsqueeze(-1).to(loss_logp.device), shifted, loss_logp)
 
+
+def mixed_old_inputs(inputs: dict, ref_logps: torch.Tensor, alpha: float, mix_sampling_logps: bool) -> dict:
+    """``inputs`` of TRL's loss with the old policy's log-probs (``old_per_token_logps``) as mixtures with π_ref, so
+    that TRL's ratio is r_mix; with ``mix_sampling_logps`` (TRL's off-policy mask is on) vLLM's sampling log-probs
+    (``sampling_per_token_logps``) too: the mask compares them with the (mixture) log-probs of the loss, so it compares
+    like with like, and anchor rows (NaN: not sampled by the engine) fall back to the mixed old ones."""
+    old_logps = inputs.get("old_per_token_logps")
+    mixed_old = None if old_logps is None else mixed_logprobs(old_logps, ref_logps, alpha)
+    if mixed_old is not None:
+        inputs = {**inputs, "old_per_token_logps": mixed_old}
+    sampling = inputs.get("sampling_per_token_logps")
+    if sampling is not None and mix_sampling_logps:
+        mixed_sampling = mixed_logprobs(sampling, ref_logps, alpha)
+        if mixed_old is not None:
+            mixed_sampling = torch.where(torch.isnan(sampling), mixed_old, mixed_sampling)
+        inputs = {**inputs, "sampling_per_token_logps": mixed_sampling}
+    return inputs
+
 # --- what the loss's ratio does (metrics) ------------------------------------------------------------------------
 def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str = "token"):
     """TRL's importance ratio π_θ/π_old per token, or (``level="sequence"``) the exp of each row's masked mean

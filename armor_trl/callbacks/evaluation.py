@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from armor_trl.integration import trl_seam
+from armor_trl.integration import trl_generation
 from armor_trl.algorithm.mixture import sequence_log_ratios
 from armor_trl.rewards import completion_text
 
@@ -156,21 +156,22 @@ def describe_unjudged(result: dict) -> str:
             f"{why}")
 
 
-def evaluate(
-    model,
-    tokenizer,
-    dataset,
-    verifier: Callable,
-    k: int = 8,
-    num_samples: int | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    batch_size: int = 64,
-    seed: int | None = None,
-    classify: Callable[[str], str] | None = None,
-) -> dict:
-    """avg@n and pass@k of ``model`` on ``dataset`` (columns ``prompt``, ``answer``, ...) with ``verifier``.
+# How an evaluation samples (the keyword arguments of evaluate() and evaluate_with_trainer(), with their defaults):
+# the longest completion, the temperature (0: greedy), top-p, and the sequences (problems × samples) per generation call.
+SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0, "batch_size": 64}
+
+
+def sampling_settings(**given) -> dict:
+    """:data:`SAMPLING` with the ``given`` settings in place of its defaults; a TypeError names any other setting."""
+    if unknown := sorted(set(given) - set(SAMPLING)):
+        raise TypeError(f"unknown sampling settings {unknown}: the settings are {sorted(SAMPLING)}")
+    return {**SAMPLING, **given}
+
+
+def evaluate(model, tokenizer, dataset, verifier: Callable, k: int = 8, num_samples: int | None = None, *,
+             seed: int | None = None, classify: Callable[[str], str] | None = None, **sampling) -> dict:
+    """avg@n and pass@k of ``model`` on ``dataset`` (columns ``prompt``, ``answer``, ...) with ``verifier``, sampled
+    with ``sampling`` (:data:`SAMPLING`: ``max_new_tokens``, ``temperature``, ``top_p``, ``batch_size``).
 
     ``num_samples`` (n, default k; must be >= k, checked before generating) completions are drawn per problem;
     avg is their mean accuracy, pass@k the unbiased estimator. Problems the verifier cannot judge (a sample
@@ -180,13 +181,11 @@ def evaluate(
     With ``seed`` sampling is reproducible and leaves the global RNG state as it was. With ``classify`` (completion
     text → mode label, e.g. :func:`armor_trl.rewards.modes.classify`), ``mode_shares`` gives each mode's share of all samples.
     """
-    n = check_k(k, num_samples)
+    n, sampling = check_k(k, num_samples), sampling_settings(**sampling)
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        completions = sample_completions(
-            model, tokenizer, dataset["prompt"], n, max_new_tokens, temperature, top_p, batch_size
-        )
+        completions = sample_completions(model, tokenizer, dataset["prompt"], n, **sampling)
     counts, reasons = score_with_reasons(completions, dataset, verifier)
     samples = [[completion_text(s) for s in group[:2]] for group in completions[:4]]
     result = summarize(counts, reasons, dataset, n, k, samples)
@@ -269,47 +268,39 @@ def sample_ids_with_trainer(trainer, all_ids: list[list[int]], indices: list[int
     model.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                trl_seam.sampling_with(trainer, temperature, top_p, max_new_tokens):
+                trl_generation.sampling_with(trainer, temperature, top_p, max_new_tokens):
             for start in range(0, len(indices), per_call):
                 chunk = indices[start : start + per_call]
                 torch.manual_seed(problem_seed(seed, chunk[0]))
-                ids = trl_seam.generate(trainer, [all_ids[i] for i in chunk for _ in range(draws)], draws)
+                ids = trl_generation.generate(trainer, [all_ids[i] for i in chunk for _ in range(draws)], draws)
                 groups += [ids[j * draws : (j + 1) * draws] for j in range(len(chunk))]
     finally:
         model.train(was_training)
     return groups
 
 
-def evaluate_with_trainer(
-    trainer,
-    dataset,
-    verifier: Callable,
-    k: int = 8,
-    num_samples: int | None = None,
-    max_new_tokens: int = 256,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    batch_size: int = 64,
-    seed: int = 0,
-    classify: Callable[[str], str] | None = None,
-) -> dict:
+def evaluate_with_trainer(trainer, dataset, verifier: Callable, k: int = 8, num_samples: int | None = None, *,
+                          seed: int = 0, classify: Callable[[str], str] | None = None, **sampling) -> dict:
     """:func:`evaluate` through a GRPOTrainer's own generation path (transformers, or vLLM colocate/server when
-    ``use_vllm``), sharded over all its processes; every process must call it and gets the same result.
+    ``use_vllm``), sharded over all its processes; every process must call it and gets the same result. ``sampling``:
+    :data:`SAMPLING`'s settings, as for :func:`evaluate`.
 
     Each process generates for its block of problems (:func:`shard`) with validation's sampling settings (set for
-    the block by :func:`armor_trl.integration.trl_seam.sampling_with`) and scores them with ``verifier``; the correct counts are
-    gathered and the estimators computed on every process. Each generation call holds ``batch_size // n`` problems
-    (at least one) and is seeded from its first problem (:func:`problem_seed`): with ``batch_size <= n`` (one
-    problem per call) the transformers path draws the same completions for a problem whatever the number of
-    processes. vLLM samples with its own seeds. The global RNG state and the model's train/eval mode are restored.
+    the block by :func:`armor_trl.integration.trl_generation.sampling_with`) and scores them with ``verifier``; the
+    correct counts are gathered and the estimators computed on every process. Each generation call holds
+    ``batch_size // n`` problems (at least one) and is seeded from its first problem (:func:`problem_seed`): with
+    ``batch_size <= n`` (one problem per call) the transformers path draws the same completions for a problem whatever
+    the number of processes. vLLM samples with its own seeds. The global RNG state and the model's train/eval mode
+    are restored.
     """
-    n = check_k(k, num_samples)
+    n, sampling = check_k(k, num_samples), sampling_settings(**sampling)
+    temperature, batch_size = sampling["temperature"], sampling["batch_size"]
     draws = 1 if temperature == 0 else n  # greedy: one completion per problem, repeated n times
     tokenizer = trainer.processing_class
     all_ids = _prompt_ids(tokenizer, dataset["prompt"])
     indices, real = shard(len(all_ids), trainer.accelerator.process_index, trainer.accelerator.num_processes)
     groups = sample_ids_with_trainer(trainer, all_ids, indices, draws, seed, max(1, batch_size // draws), temperature,
-                                     top_p, max_new_tokens)
+                                     sampling["top_p"], sampling["max_new_tokens"])
     completions = [tokenizer.batch_decode(ids, skip_special_tokens=True) * (n // draws) for ids in groups]
     own = indices[:real]
     counts, reasons = score_with_reasons(completions[:real], dataset.select(own), verifier) if own else ([], [])
@@ -425,15 +416,3 @@ def pass_curve(counts: list, n: int, k: int) -> dict[int, float]:
     return {j: sum(pass_at_k(n, c, j) for c in judged) / len(judged)
             for j in (2**e for e in range(k.bit_length())) if j <= k}
 
-
-def __getattr__(name: str):
-    """The flat layout's ``armor_trl.evaluation`` (this module's old path) also held the validation callback, which
-    lives in :mod:`armor_trl.callbacks.validation` now: reached from here with a DeprecationWarning."""
-    if name in ("ValidationCallback", "TRAIN_REWARD_KEYS"):
-        import importlib
-        import warnings
-
-        warnings.warn(f"{name} moved to armor_trl.callbacks.validation; import it from there", DeprecationWarning,
-                      stacklevel=2)
-        return getattr(importlib.import_module("armor_trl.callbacks.validation"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

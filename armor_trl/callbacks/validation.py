@@ -17,7 +17,9 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 
 from armor_trl.integration import trl_seam
-from armor_trl.callbacks.evaluation import StartKL, check_k, evaluate, evaluate_with_trainer, pass_curve
+from armor_trl.callbacks.evaluation import (
+    StartKL, check_k, evaluate, evaluate_with_trainer, pass_curve, sampling_settings,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -107,7 +109,8 @@ class ValidationCallback(TrainerCallback):
             if name is not None and (not isinstance(name, str) or not name or "/" in name):
                 raise ValueError(f"eval_dataset names must be non-empty strings without '/', got {name!r}.")
         self.k, self.num_samples = k, check_k(k, num_samples)
-        self.generation = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size)
+        self.generation = sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                            batch_size=batch_size)
         self.seed, self.jsonl_path, self.run_name, self.on_evaluate = seed, jsonl_path, run_name, on_evaluate
         self.mode_classifier = mode_classifier
         self.kl_prompts, self.kl_samples = kl_prompts, kl_samples

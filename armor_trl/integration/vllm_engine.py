@@ -1,10 +1,10 @@
-"""The other half of the seam (with :mod:`armor_trl.integration.trl_seam`): every touch point of TRL's vLLM wrapper
-(``VLLMGeneration``, not exported) and of vLLM's own names. It holds what armor_trl calls on the wrapper
+"""The seam's vLLM part (with :mod:`armor_trl.integration.trl_seam` and ``trl_generation``): every touch point of TRL's
+vLLM wrapper (``VLLMGeneration``, not exported) and of vLLM's own names. It holds what armor_trl calls on the wrapper
 (``VLLM_ENGINE_METHODS``, ``VLLM_ENGINE_INIT``: checked by ``trl_seam.check_trl_surface``), the helpers that push
 weights to an engine, generate with one and build a second one in server mode, and :func:`colocated_engine_built`,
 which has TRL build its colocated engine with ArmorConfig's engine options and, on a CPU build of vLLM, with linear
 weights that TRL's weight sync reaches (``check_vllm_surface`` checks the vLLM names it replaces). No module of
-armor_trl but these two touches any of them (tests/test_trl_seam.py greps for it).
+armor_trl but the seam's touches any of them (tests/test_trl_seam.py greps for it).
 """
 
 from __future__ import annotations

@@ -421,6 +421,15 @@ class ReferenceResetCallback(TrainerCallback):
         self.start_step = start_step
         self.rollout_ended = rollout_ended
 
+    @classmethod
+    def of(cls, trainer) -> ReferenceResetCallback:
+        """An ArmorGRPOTrainer's: its π_ref and schedule (counted from the step ARMOR started at), reset at the ends
+        of TRL's rollout batches."""
+        args = trainer.args
+        return cls(trainer.reference, trainer.unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until,
+                   args.ref_reset_at_steps, start_step=lambda: trainer.armor_started_at,
+                   rollout_ended=lambda: seam.rollout_batch_ended(trainer))
+
     def on_train_begin(self, args, state, control, **kwargs):
         # a reset left waiting in a checkpoint written inside a rollout batch: the resumed run starts a new batch
         if self.reference.reset_pending and self.start_step() is not None:

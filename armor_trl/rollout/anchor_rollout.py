@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import (AnchorCache, AnchorRound, anchor_rows, fill_groups, policy_rows, select_anchors, verified_mask,
                       verifier_counts)
@@ -231,7 +232,8 @@ class AnchorRollout:
             best_candidate = own.max().item() if own.numel() else math.nan
             # (lazy waves leave undrawn candidates as None: only this round's drawn ones are decoded)
             drawn_ids = [ids for ids, taken in zip(candidate_ids[: len(used) * k], drawn.tolist()) if taken]
-            empty = torch.tensor([not text.strip() for text in seam.decode(trainer, drawn_ids, False)], dtype=torch.bool)
+            texts = trl_generation.decode(trainer, drawn_ids, False)
+            empty = torch.tensor([not text.strip() for text in texts], dtype=torch.bool)
             counts = verifier_counts(rewards[: len(used) * k][fresh], weights, args.anchor_reward_threshold, self.funcs,
                                      empty=empty)
             for position, g in enumerate(used):
@@ -281,8 +283,10 @@ class AnchorRollout:
         if candidate_ids is None:
             candidate_ids = self._reference_candidates(candidate_prompt_ids, k)
         prompts = [row["prompt"] for row in candidate_inputs]
-        completions = seam.decode(trainer, candidate_ids, seam.is_conversational_prompt(prompts[0]))
-        return candidate_ids, seam.score_quietly(trainer, candidate_inputs, prompts, completions, candidate_ids)
+        conversational = trl_generation.is_conversational_prompt(prompts[0])
+        completions = trl_generation.decode(trainer, candidate_ids, conversational)
+        return candidate_ids, trl_generation.score_quietly(trainer, candidate_inputs, prompts, completions,
+                                                           candidate_ids)
 
     def _reference_candidates(self, prompt_ids: list, k: int) -> list:
         """π_ref's completions: on the reference's own vLLM server when there is one, else on TRL's path (with the
@@ -292,10 +296,11 @@ class AnchorRollout:
             return trainer.reference_server.generate(prompt_ids, k, trainer.unwrapped_policy())
         if trainer.use_vllm:
             with reference_in_engine(trainer):
-                return seam.generate(trainer, prompt_ids, k)
+                return trl_generation.generate(trainer, prompt_ids, k)
         reference = trainer.reference
-        with reference.active(trainer.unwrapped_policy()), seam.generating_with(trainer, reference.full_model):
-            return seam.generate(trainer, prompt_ids, k)
+        routed = trl_generation.generating_with(trainer, reference.full_model)
+        with reference.active(trainer.unwrapped_policy()), routed:
+            return trl_generation.generate(trainer, prompt_ids, k)
 
     def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:
         """Keep up to anchor_cache_per_prompt verified candidates, the chosen anchor first; without one, reuse a kept

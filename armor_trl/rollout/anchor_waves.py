@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.algorithm.advantages import dynamic_sampling_keep, total_rewards
 from armor_trl.rollout.anchors import policy_rows, verified_mask
 from armor_trl.reference.vllm_swap import reference_in_engine
@@ -135,9 +136,9 @@ def score_on_policy(trainer, inputs: list[dict], prompt_ids: list, on_policy_ids
     if row_fields is not None:
         kept_inputs = [{**row, **row_fields(ids)} for row, ids in zip(kept_inputs, on_policy_ids)]
     prompts = [row["prompt"] for row in kept_inputs]
-    completions = seam.decode_for_rewards(trainer, [prompt_ids[i] for i in keep], on_policy_ids, prompts)
+    completions = trl_generation.decode_for_rewards(trainer, [prompt_ids[i] for i in keep], on_policy_ids, prompts)
     with seam.completion_columns_spread(trainer, keep, rows):
-        rewards = seam.score(trainer, kept_inputs, prompts, completions, on_policy_ids)
+        rewards = trl_generation.score(trainer, kept_inputs, prompts, completions, on_policy_ids)
     return OnPolicyScores([list(ids) for ids in on_policy_ids], completions, rewards,
                           [dict(row) for row in kept_inputs])
 

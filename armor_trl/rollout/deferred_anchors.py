@@ -26,6 +26,7 @@ import torch
 from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.algorithm.loss_rows import KEPT_ROWS
 from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.rollout.refill import put_rows
 
 DEFERRED = "armor_deferred"  # (rows,) bool: the anchor slots of a round's deferred groups; travels with its rows
@@ -81,7 +82,7 @@ def anchor_rows(trainer, batch: dict, completion_ids: list, rewards_per_func: to
         "completion_ids": torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=pad).to(device),
         "completion_mask": torch.nn.utils.rnn.pad_sequence(mask, batch_first=True).to(device),
     }
-    truncated = torch.tensor([seam.is_truncated(trainer, row) for row in completion_ids], device=device)
+    truncated = torch.tensor([trl_generation.is_truncated(trainer, row) for row in completion_ids], device=device)
     values["completion_mask"] = values["completion_mask"] * (~truncated).unsqueeze(1).long()
     width = values["completion_ids"].size(1)
     if "sampling_per_token_logps" in batch:  # not sampled by the policy's engine: no correction (TRL reads NaN so)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 
-from armor_trl.integration import trl_seam as seam
+from armor_trl.integration import trl_generation
 from armor_trl.rollout.anchor_rollout import AnchorRollout
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
@@ -34,7 +34,7 @@ def generate_completions(trainer, prompt_ids: list[list[int]]) -> list[list[int]
     """One completion per prompt (token ids) from the trainer's own generation path (transformers ``generate`` or
     continuous batching, with the trainer's sampling settings): what a ``rollout_func`` calls to generate with the
     model ARMOR routes π_ref into."""
-    return seam.generate(trainer, prompt_ids, 1)
+    return trl_generation.generate(trainer, prompt_ids, 1)
 
 
 def checked_output(output, rows: int) -> dict:
@@ -133,7 +133,8 @@ class RolloutFuncAnchors(AnchorRollout):
         trainer, reference = self.trainer, self.trainer.reference
         policy = trainer.unwrapped_policy()
         model = reference.full_model if reference.kind == "full" else policy
-        with reference.active(policy), seam.generating_with(trainer, reference.full_model), self._model_ran(model):
+        routed = trl_generation.generating_with(trainer, reference.full_model)
+        with reference.active(policy), routed, self._model_ran(model):
             output = self._call([self._prompts[tuple(ids)] for ids in prompt_ids])
         return output["completion_ids"]
 
@@ -146,8 +147,10 @@ class RolloutFuncAnchors(AnchorRollout):
         candidate_inputs = [{**row, **self.reward_fields(ids)}
                             for row, ids in zip([row for row in inputs for _ in range(k)], candidate_ids)]
         prompts = [row["prompt"] for row in candidate_inputs]
-        completions = seam.decode(trainer, candidate_ids, seam.is_conversational_prompt(prompts[0]))
-        return candidate_ids, seam.score_quietly(trainer, candidate_inputs, prompts, completions, candidate_ids)
+        conversational = trl_generation.is_conversational_prompt(prompts[0])
+        completions = trl_generation.decode(trainer, candidate_ids, conversational)
+        return candidate_ids, trl_generation.score_quietly(trainer, candidate_inputs, prompts, completions,
+                                                           candidate_ids)
 
     @contextlib.contextmanager
     def _model_ran(self, model):

@@ -73,18 +73,18 @@ NUM_VAL_PROBLEMS = 7  # odd: with 2 processes the last shard is padded
 VALIDATION = dict(k=2, num_samples=4, max_new_tokens=6, top_p=0.9, batch_size=4)  # one problem per call
 
 
-class CountingSeam:
-    """evaluation.py's view of trl_seam, its generation calls counted (the anchors' calls go around it)."""
+class CountingGeneration:
+    """evaluation.py's view of trl_generation, its generation calls counted (the anchors' calls go around it)."""
 
-    def __init__(self, seam):
-        self.seam, self.calls = seam, []
+    def __init__(self, generation):
+        self.generation, self.calls = generation, []
 
     def generate(self, trainer, prompt_ids, num_generations):
         self.calls.append(len(prompt_ids))
-        return self.seam.generate(trainer, prompt_ids, num_generations)
+        return self.generation.generate(trainer, prompt_ids, num_generations)
 
     def __getattr__(self, name):
-        return getattr(self.seam, name)
+        return getattr(self.generation, name)
 
 
 def sampling_settings(trainer) -> dict:
@@ -96,11 +96,11 @@ def sampling_settings(trainer) -> dict:
 class DirectValidation(TrainerCallback):
     """At step 0, after the ValidationCallback: evaluate_with_trainer sampled and greedy on the initial weights."""
 
-    def __init__(self, trainer, held_out, seam: CountingSeam):
-        self.trainer, self.held_out, self.seam, self.result = trainer, held_out, seam, {}
+    def __init__(self, trainer, held_out, generation: CountingGeneration):
+        self.trainer, self.held_out, self.generation, self.result = trainer, held_out, generation, {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        before, calls = sampling_settings(self.trainer), len(self.seam.calls)
+        before, calls = sampling_settings(self.trainer), len(self.generation.calls)
         self.result = {
             "settings_before": before,
             "sampled": evaluation.evaluate_with_trainer(self.trainer, self.held_out, digit_verifier, temperature=1.0,
@@ -108,7 +108,7 @@ class DirectValidation(TrainerCallback):
             "greedy": evaluation.evaluate_with_trainer(self.trainer, self.held_out, digit_verifier, temperature=0.0,
                                                        **VALIDATION),
             "settings_after": sampling_settings(self.trainer),
-            "direct_calls": len(self.seam.calls) - calls,
+            "direct_calls": len(self.generation.calls) - calls,
         }
 
 
@@ -342,11 +342,11 @@ def main(argv=None):
     recorder = StepRecorder(trainer)
     trainer.add_callback(recorder)  # after ReferenceResetCallback: sees the reference right after a reset
     if cli.validate:
-        seam = evaluation.trl_seam = CountingSeam(evaluation.trl_seam)
+        generation = evaluation.trl_generation = CountingGeneration(evaluation.trl_generation)
         held_out = dataset.select(range(NUM_VAL_PROBLEMS))
         callback = validation.ValidationCallback(held_out, digit_verifier, every_steps=cli.max_steps, temperature=1.0,
                                                  seed=5, **VALIDATION).attach(trainer)
-        direct = DirectValidation(trainer, held_out, seam)
+        direct = DirectValidation(trainer, held_out, generation)
         trainer.add_callback(direct)  # after the callback: its step-0 validation comes first
 
     from safetensors.torch import load_file
@@ -384,8 +384,8 @@ def main(argv=None):
     if cli.validate:
         result["validation"] = {
             **direct.result, "on_every_process": callback.on_every_process, "callback_history": callback.history,
-            "generation_calls": seam.calls,
-            "generation_calls_in_training": len(seam.calls) - direct.result["direct_calls"],
+            "generation_calls": generation.calls,
+            "generation_calls_in_training": len(generation.calls) - direct.result["direct_calls"],
             "policy_sharded": any(hasattr(p, "ds_id") for p in trainer.model_wrapped.parameters()),
         }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:

@@ -9,11 +9,18 @@ from pathlib import Path
 from armor_trl.app.experiments import stats
 
 
-def _zero_filled(series_by_mode: dict, mode: str) -> list[tuple[int, float]]:
-    """``mode``'s share at every step where any mode was logged (a round with rows of that kind), 0 where ``mode``
-    had none: a share not logged in a round is a share of 0, not a missing value."""
-    values = dict(series_by_mode.get(mode, []))
-    return [(step, values.get(step, 0.0)) for step in sorted({s for curve in series_by_mode.values() for s, _ in curve})]
+def _share_curve(series_by_mode: dict, mode: str, smooth: int) -> list[tuple[int, float]]:
+    """``mode``'s share over the rounds of its prompt type (:func:`stats.mode_share_series`), a trailing mean over
+    ``smooth`` of them, held at every later round of the run until that type's next round: runs whose rounds with
+    rows of the type differ still share steps to average over."""
+    own = stats.mode_share_series(series_by_mode, mode)
+    smoothed = dict(zip((step for step, _ in own), stats.trailing_mean([v for _, v in own], smooth)))
+    curve, last = [], None
+    for step in sorted({s for values in series_by_mode.values() for s, _ in values}):
+        last = smoothed.get(step, last)
+        if last is not None:
+            curve.append((step, float(last)))
+    return curve
 
 
 def _band(runs: list[list[tuple[int, float]]], smooth: int = 1):
@@ -109,7 +116,7 @@ def plot_study(curves: dict, out: Path, smooth: int = 5) -> None:
         for ax, mode in zip(axes[0], anchor_modes):
             for i, (arm, runs) in enumerate(curves.items()):
                 for key, style, label in (("anchor_modes", "-", "anchors"), ("policy_modes", "--", "on-policy")):
-                    band = _band([_zero_filled(c[key], mode) for c in runs.values() if c.get(key)], smooth)
+                    band = _band([_share_curve(c[key], mode, smooth) for c in runs.values() if c.get(key)])
                     if band is not None:
                         steps, mean, _ = band
                         ax.plot(steps, mean, style, color=colors(i), label=f"{arm}: {label}")

@@ -145,10 +145,23 @@ def mode_share_comparison(arm: dict, base: dict, mode: str, resamples: int = 10_
     return out
 
 
+def mode_share_series(series_by_mode: dict, mode: str) -> list[tuple[int, float]]:
+    """``mode``'s share (a key of the anchor mode diagnostic: ``<mode>``, or ``<type>/<mode>`` split by prompt type) at
+    every round that had rows of its prompt type, 0 where those rows had another mode. A round is a logged step where
+    some mode of the same prompt type was logged: a round without rows of that type (no carry prompt among the kept
+    groups, say) has no share, it is not a share of 0. The overall shares (no type) count every round with rows."""
+    prompt_type = mode.rpartition("/")[0]
+    values = dict(series_by_mode.get(mode, []))
+    rounds = {step for key, curve in series_by_mode.items() if key.rpartition("/")[0] == prompt_type
+              for step, _ in curve}
+    return [(step, values.get(step, 0.0)) for step in sorted(rounds)]
+
+
 def anchor_diagnostic(runs: list[dict]) -> dict | None:
     """The anchor mode diagnostic of an arm's runs (curves as read_curves gives them): per mode, the mean over runs
-    of each run's mean share among the kept anchors and among the kept on-policy rows; the mean count of kept
-    anchors per logged step and their mean advantage. None when the runs logged no diagnostic."""
+    of each run's mean share among the kept anchors and among the kept on-policy rows, a prompt type's share averaged
+    over the rounds that had rows of that type (:func:`mode_share_series`); the mean count of kept anchors per logged
+    step and their mean advantage. None when the runs logged no diagnostic."""
     runs = [c for c in runs if c.get("anchors_kept")]
     if not runs:
         return None
@@ -161,9 +174,7 @@ def anchor_diagnostic(runs: list[dict]) -> dict | None:
         return statistics.fmean(values) if values else None
 
     def share_mean(series_by_mode: dict, mode: str):
-        # over the logged steps of any mode: a mode not logged at such a step had no row there (share 0)
-        steps = {step for curve in series_by_mode.values() for step, _ in curve}
-        return sum(v for _, v in series_by_mode.get(mode, [])) / len(steps) if steps else None
+        return run_mean(mode_share_series(series_by_mode, mode))
 
     modes = sorted({m for c in runs for m in (*c.get("anchor_modes", {}), *c.get("policy_modes", {}))})
     return {

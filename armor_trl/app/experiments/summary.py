@@ -248,8 +248,9 @@ def format_summary(summary: dict) -> str:
     if summary.get("anchor_diagnostic"):
         modes = list(dict.fromkeys(m for d in summary["anchor_diagnostic"].values() for m in d["anchor_modes"]))
         lines += ["", "## Anchor mode diagnostic (anchor_mode_classifier): each mode's share among the anchors / among "
-                  "the on-policy rows of the groups the gate kept (mean over rounds, then runs); kept anchors per "
-                  "logged step and their mean advantage", "",
+                  "the on-policy rows of the groups the gate kept (mean over rounds, then runs; a prompt type's share "
+                  "<type>/<mode> over the rounds that had rows of that type); kept anchors per logged step and their "
+                  "mean advantage", "",
                   "| arm | runs | " + " | ".join(f"{m}: anchors / on-policy" for m in modes)
                   + " | kept anchors per log | kept anchors' advantage |", "|" + "---|" * (len(modes) + 4)]
         for arm, d in summary["anchor_diagnostic"].items():
