@@ -42,7 +42,7 @@ from armor_trl.config import ArmorConfig
 from armor_trl.rollout.dynamic_sampling import DynamicSampling, advantages_across_processes
 from armor_trl.rollout.refill import take_rows
 from armor_trl.integration.launcher import check_use_cpu
-from armor_trl.algorithm.loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
+from armor_trl.algorithm.loss_rows import entropy_bonus_correction, kl_beta, micro_batch_share, over_kept_rows
 from armor_trl.algorithm.mixture import kl_reference_logps, mixed_logprobs, mixed_old_inputs
 from armor_trl.rewards.modes import resolve_classifier, resolve_prompt_classifier
 from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
@@ -365,10 +365,10 @@ class ArmorGRPOTrainer(GRPOTrainer):
         if ref_logps is not None:
             loss_inputs = mixed_old_inputs(inputs, ref_logps, alpha, self.off_policy_mask_threshold is not None)
             replace = lambda logps: mixed_logprobs(logps, ref_logps, alpha)  # noqa: E731
-        held = micro_batch_share(self, inputs, seam.step_micro_batches(self, inputs), seam.entropy_bonus_enabled(self))
-        coef = seam.entropy_bonus_coef(self)  # (read before TRL's loss updates it)
+        micro_batches, coef = seam.step_micro_batches(self, inputs), seam.entropy_bonus_coef(self)  # (coef: pre-loss)
+        held = micro_batch_share(self, inputs, micro_batches, seam.entropy_bonus_enabled(self))
         loss_inputs = over_kept_rows(self.loss_type, loss_inputs, held)  # rows out of the loss leave its normaliser
-        beta = self.args.beta if "armor_ref_logps" in inputs else 0.0
+        beta = kl_beta(self, inputs, micro_batches) if "armor_ref_logps" in inputs else 0.0  # per on-policy token
         if beta:  # ARMOR + KL: TRL's KL term, of π_θ against π_ref on the on-policy rows (mixture.kl_reference_logps)
             loss_inputs, mixed = dict(loss_inputs), replace
             on_policy = ~inputs["armor_is_anchor"]

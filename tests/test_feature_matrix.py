@@ -17,12 +17,12 @@ completion is a fixed function of the prompt, whether π_ref or the policy drew 
 Two processes are simulated as tests/test_anchor_waves.py does: the collective counts of anchor sampling
 (``agreed_count``) see another process with two more groups to draw in every call, so this one pads its calls.
 
-Size: 12 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
+Size: 13 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
 online / cache / column, same-call resets, LoRA reference, the generation path: generate / rollout_func / continuous
-batching, VLM prompts, two processes, resume, the 8 loss types); the greedy covering array below has 31 combinations
+batching, VLM prompts, two processes, resume, the 8 loss types, ARMOR + KL); the greedy covering array below has 31 combinations
 (checked to cover every allowed pair), 2 of them refusals. Each trains 2 steps (6 with two steps per rollout batch), plus
-the paper's path where it differs (23) and a resumed run where asked for (10): 62 short runs, 468 s in one process on
-the shared 2-core machine while other jobs ran
+the paper's path where it differs (23) and a resumed run where asked for (10): 62 short runs, 85 s with two
+pytest-xdist workers on the shared 2-core machine while other jobs ran
 (docs/anchors.md, "Which features combine", holds the table of pairs).
 """
 
@@ -62,6 +62,7 @@ FEATURES = {
     "processes": ("one", "two"),
     "resume": ("no", "yes"),
     "loss": LOSS_TYPES,
+    "kl": ("off", "on"),  # ARMOR + KL: beta = 0 or 0.05
 }
 NAMES = tuple(FEATURES)
 # refused at construction, the error naming both features (these words, one of each side's, in the message)
@@ -269,6 +270,8 @@ def settings(row: dict, paper: bool = False) -> dict:
                   anchor_eligible_only=False if paper else row["eligible"] == "on",
                   anchor_same_call=row["same_call"] == "resets", dynamic_sampling=row["dynamic"] != "off",
                   dynamic_sampling_keep_unsolved=row["dynamic"] == "keep_unsolved")
+    if row["kl"] == "on":
+        fields["beta"] = 0.05
     if row["same_call"] != "off":
         fields["ref_reset_steps"] = 1
     if row["same_call"] == "resets_in_rollout":  # three rollout batches of two optimizer steps

@@ -16,6 +16,7 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
+from trl import GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from armor_trl.integration import trl_generation
@@ -99,6 +100,33 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True
+
+
+# --- a loss and its gradient by the policy's log-probs ---------------------------------------------------------------
+def moved(trainer, scale, seed):
+    """Move the policy's weights, as optimizer steps would."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+
+
+def loss_and_gradient(trainer, batch, monkeypatch, compute_loss=None):
+    """The trainer's loss on ``batch`` and its gradient with respect to the policy's per-token log-probs (the model's
+    own, handed to the loss as a float64 leaf)."""
+    seen = {}
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def leaf_logps(self, *args, **kwargs):
+        logps, entropies, aux = original(self, *args, **kwargs)
+        seen["logp"] = logps.detach().double().requires_grad_(True)
+        return seen["logp"], entropies, aux
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", leaf_logps)
+    loss = (compute_loss or trainer._compute_loss)(trainer.model, batch)
+    loss.backward()
+    monkeypatch.undo()
+    return loss.detach(), seen["logp"].grad, seen["logp"].detach()
 
 
 # --- recorders -----------------------------------------------------------------------------------------------------
