@@ -19,10 +19,10 @@ Two processes are simulated as tests/test_anchor_waves.py does: the collective c
 
 Size: 13 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
 online / cache / column, same-call resets, LoRA reference, the generation path: generate / rollout_func / continuous
-batching, VLM prompts, two processes, resume, the 8 loss types, ARMOR + KL); the greedy covering array below has 31 combinations
-(checked to cover every allowed pair), 2 of them refusals. Each trains 2 steps (6 with two steps per rollout batch), plus
-the paper's path where it differs (23) and a resumed run where asked for (10): 62 short runs, 85 s with two
-pytest-xdist workers on the shared 2-core machine while other jobs ran
+batching, VLM prompts, two processes, resume, the 8 loss types, ARMOR + KL); the greedy covering array below has 31
+combinations (checked to cover every allowed pair), 2 of them refusals. Each trains 2 steps (6 with two steps per
+rollout batch), plus the paper's path where it differs (23) and a resumed run where asked for (10): 62 short runs, 85 s
+with two pytest-xdist workers on the shared 2-core machine while other jobs ran
 (docs/anchors.md, "Which features combine", holds the table of pairs).
 """
 
@@ -43,7 +43,7 @@ from PIL import Image
 from armor_trl import ArmorConfig, ArmorGRPOTrainer, generate_completions
 from armor_trl.reference.policy import REF_ADAPTER
 from armor_trl.rollout import anchor_rollout, anchor_waves
-from testing import capture_rounds, cpu_args, kept_rows, logged
+from testing import capture_rounds, cpu_args, kept_rows, logged, reference_logps_gaps
 
 # --- the features and their levels ------------------------------------------------------------------------------------
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "vespo")
@@ -349,31 +349,13 @@ def train(row, output_dir, model_path, processing_class, monkeypatch, paper=Fals
     if row["processes"] == "two":  # the other process has two more groups to draw in every collective call
         for module in (anchor_waves, anchor_rollout):
             monkeypatch.setattr(module, "agreed_count", lambda trainer, local: local + 2)
-    batches = capture_rounds(trainer)
-    check_reference_logps_at_the_loss(trainer)
+    batches, gaps = capture_rounds(trainer), reference_logps_gaps(trainer)
     trainer.train(resume_from_checkpoint=resume_from)
+    assert all(gap < 1e-5 for _, gap in gaps), gaps  # π_ref's log-probs at every loss: the π_ref the trainer holds
     if row["prompts"] == "vlm":
         for batch in batches:
             check_rows_keep_their_images(batch, processing_class)
     return trainer, batches, calls
-
-
-def check_reference_logps_at_the_loss(trainer) -> None:
-    """At every loss, the π_ref log-probs the batch carries (the mixed ratio's, computed at the rollout batch's start)
-    are those of the π_ref the trainer holds then: a reset never lands inside a rollout batch."""
-    original = trainer._compute_loss
-
-    def compute_loss(model, inputs):
-        if "armor_ref_logps" in inputs:
-            reference = trainer.reference
-            with torch.no_grad(), reference.active(trainer.unwrapped_policy()):
-                now = trainer._completion_logps(reference.model if reference.kind == "full" else trainer.model, inputs)
-            mask = inputs["completion_mask"].bool()
-            gap = (inputs["armor_ref_logps"] - now)[mask].abs().max().item() if mask.any() else 0.0
-            assert gap < 1e-5, f"step {trainer.state.global_step + 1}: π_ref's log-probs are {gap} off"
-        return original(model, inputs)
-
-    trainer._compute_loss = compute_loss
 
 
 def by_step(trainer, key) -> dict:

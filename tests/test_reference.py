@@ -6,7 +6,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from armor_trl.reference.policy import reset_due
-from testing import digit_share_reward, make_trainer as _make_trainer
+from testing import digit_share_reward, make_trainer as _make_trainer, reference_logps_gaps
 
 
 def make_trainer(*args, **kwargs):
@@ -185,40 +185,21 @@ def test_lora_reset_after_training_is_exact(lora, tiny_model_path, tiny_tokenize
     assert logps_gap(trainer) == 0.0
 
 
-class ReferenceAtTheLoss:
-    """Records, at each loss, how far the π_ref log-probs the batch carries are from the π_ref the trainer holds."""
-
-    def __init__(self, trainer):
-        self.trainer, self.gaps = trainer, []
-        original = trainer._compute_loss
-
-        def compute_loss(model, inputs):
-            if "armor_ref_logps" in inputs:
-                with torch.no_grad():
-                    now = trainer._completion_logps(trainer.reference.model, inputs)
-                mask = inputs["completion_mask"].bool()
-                self.gaps.append((trainer.state.global_step + 1,
-                                  (inputs["armor_ref_logps"] - now)[mask].abs().max().item()))
-            return original(model, inputs)
-
-        trainer._compute_loss = compute_loss
-
-
 @pytest.mark.parametrize("schedule, resets", [(dict(ref_reset_at_steps=[1]), [0, 1, 1, 1]),
                                               (dict(ref_reset_steps=1), [0, 1, 1, 2]),
                                               (dict(ref_reset_every_step_until=3), [0, 1, 1, 2])])
-def test_every_step_trains_against_the_reference_it_holds(schedule, resets, tiny_model_path, tiny_tokenizer, prompt_dataset,
-                                                          tmp_path):
+def test_every_step_trains_against_the_reference_it_holds(schedule, resets, tiny_model_path, tiny_tokenizer,
+                                                          prompt_dataset, tmp_path):
     """Two optimizer steps per rollout batch (steps_per_generation=2) and resets the schedule places after step 1
     (inside the first batch): the reset acts at the batch's end, after step 2, so the π_ref log-probs each step's mixed
     ratio and KL read (computed at the batch's start) are those of the π_ref the trainer holds at that step."""
     trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, steps_per_generation=2,
                            max_steps=4, beta=0.04, **schedule)
-    distance, at_loss = DistanceToPolicy(trainer), ReferenceAtTheLoss(trainer)
+    distance, gaps = DistanceToPolicy(trainer), reference_logps_gaps(trainer)
     trainer.add_callback(distance)
     trainer.train()
-    assert [step for step, _ in at_loss.gaps] == [1, 2, 3, 4]
-    assert max(gap for _, gap in at_loss.gaps) < 1e-5, at_loss.gaps
+    assert [step for step, _ in gaps] == [1, 2, 3, 4]
+    assert max(gap for _, gap in gaps) < 1e-5, gaps
     assert distance.resets == resets  # after step 2 (and 4), the ends of the rollout batches
     assert distance.to_policy[1] == 0.0 and distance.to_policy[0] > 0.0
 

@@ -166,6 +166,25 @@ def with_a_busier_process(monkeypatch, trainer, more: int = 2) -> None:
     monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
 
 
+def reference_logps_gaps(trainer) -> list[tuple[int, float]]:
+    """Records, at every loss, (optimizer step, how far the π_ref log-probs the batch carries, computed at its rollout
+    batch's start, are from those of the π_ref the trainer holds then): 0 unless a reset landed inside the batch."""
+    gaps, original = [], trainer._compute_loss
+
+    def compute_loss(model, inputs):
+        if "armor_ref_logps" in inputs:
+            reference = trainer.reference
+            with torch.no_grad(), reference.active(trainer.unwrapped_policy()):
+                now = trainer._completion_logps(reference.model if reference.kind == "full" else trainer.model, inputs)
+            mask = inputs["completion_mask"].bool()
+            gap = (inputs["armor_ref_logps"] - now)[mask].abs().max().item() if mask.any() else 0.0
+            gaps.append((trainer.state.global_step + 1, gap))
+        return original(model, inputs)
+
+    trainer._compute_loss = compute_loss
+    return gaps
+
+
 def count_reference_rows(monkeypatch, trainer):
     rows = []
     original = trl_generation.generate

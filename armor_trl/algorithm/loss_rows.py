@@ -57,12 +57,15 @@ def loss_mask(inputs: dict) -> torch.Tensor:
     return inputs["completion_mask"] * inputs.get("tool_mask", 1)
 
 
+def on_policy_rows(inputs: dict) -> torch.Tensor:
+    """(rows,) bool: the on-policy rows in the loss (not anchors, not taken out of the loss)."""
+    on_policy = ~inputs["armor_is_anchor"].to(inputs["completion_mask"].device)
+    return on_policy & inputs[KEPT_ROWS].to(on_policy.device) if KEPT_ROWS in inputs else on_policy
+
+
 def on_policy_tokens(inputs: dict) -> torch.Tensor:
     """The loss tokens of the on-policy rows in the loss (anchors and rows taken out of the loss: 0)."""
-    on_policy = ~inputs["armor_is_anchor"].to(inputs["completion_mask"].device)
-    if KEPT_ROWS in inputs:
-        on_policy = on_policy & inputs[KEPT_ROWS].to(on_policy.device)
-    return loss_mask(inputs) * on_policy.unsqueeze(1)
+    return loss_mask(inputs) * on_policy_rows(inputs).unsqueeze(1)
 
 
 def drop_rows(trainer, output: dict, keep: torch.Tensor) -> None:
@@ -107,11 +110,9 @@ def share_holding(trainer, step_micro_batches: list[dict], holds) -> torch.Tenso
 def count_on_policy(trainer, output: dict) -> None:
     """ARMOR + KL's normalisers for a generation batch (collective: every process calls it): its on-policy rows in the
     loss, their loss tokens (``ON_POLICY_TOKENS``) and their share of the rows (``ON_POLICY_SHARE``), all processes."""
-    tokens, is_anchor = on_policy_tokens(output), output["armor_is_anchor"]
-    on_policy_rows = (~is_anchor & output.get(KEPT_ROWS, torch.ones_like(is_anchor)).to(is_anchor.device))
-    counts = torch.tensor([tokens.sum().item(), on_policy_rows.sum().item(), len(on_policy_rows)], dtype=torch.float,
-                          device=tokens.device)
-    tokens, rows, all_rows = trainer.accelerator.reduce(counts, reduction="sum")
+    rows = on_policy_rows(output)
+    counts = torch.stack([on_policy_tokens(output).sum(), rows.sum(), torch.tensor(len(rows), device=rows.device)])
+    tokens, rows, all_rows = trainer.accelerator.reduce(counts.float(), reduction="sum")
     output[ON_POLICY_TOKENS], output[ON_POLICY_SHARE] = tokens, rows / all_rows
 
 

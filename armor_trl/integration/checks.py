@@ -174,7 +174,8 @@ def reset_timing(args) -> tuple[list[str], bool]:
 def describe_reset_timing(args) -> str:
     """Where π_ref's resets act when the schedule places some inside rollout batches."""
     period, (moved, every_step) = rollout_end_steps(args), reset_timing(args)
-    placed = moved + ([f"ref_reset_every_step_until={args.ref_reset_every_step_until} (every step)"] if every_step else [])
+    until = args.ref_reset_every_step_until
+    placed = moved + ([f"ref_reset_every_step_until={until} (every step)"] if every_step else [])
     return (f"reference resets: {' and '.join(placed)} place resets inside rollout batches, which end every {period} "
             f"optimizer steps here (steps_per_generation={args.steps_per_generation} x num_iterations="
             f"{args.num_iterations} / gradient_accumulation_steps={args.gradient_accumulation_steps}). A rollout "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import os
 from typing import Any
 

@@ -51,7 +51,8 @@ def _dry_run_datasets(script_args: TrainScriptArguments):
     return train, held_out, notes
 
 
-def reset_schedule(max_steps: int, every: int | None, until: int | None, at_steps=None, rollout_end: int = 1) -> list[int]:
+def reset_schedule(max_steps: int, every: int | None, until: int | None, at_steps=None,
+                   rollout_end: int = 1) -> list[int]:
     """Optimizer steps (1..max_steps) after which ARMOR resets the reference: each step the schedule names, moved to
     the end of its rollout batch (a multiple of ``rollout_end``, :func:`~armor_trl.integration.checks.
     rollout_end_steps`)."""
@@ -66,8 +67,7 @@ def describe_resets(max_steps: int, every: int | None, until: int | None, at_ste
         return "static reference (never reset)"
     parts = ([f"after every step up to {until}"] if until else []) + ([f"every {every} steps"] if every else
                                                                        ["frozen"] if until else [])
-    what = " then ".join(parts) + (", and " if parts else "") + (f"after steps {list(at_steps)}" if at_steps else "")
-    what = what.removesuffix(", and ")
+    what = ", and ".join(filter(None, [" then ".join(parts), f"after steps {list(at_steps)}" if at_steps else ""]))
     if max_steps <= 0:
         return f"reset {what}"
     steps = reset_schedule(max_steps, every, until, at_steps, rollout_end)
