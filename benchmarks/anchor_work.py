@@ -42,7 +42,7 @@ def measured(run: dict, warmup_steps: int) -> dict | None:
 
 def mixed_share(run: dict, warmup_steps: int) -> float | None:
     """The realized share of generated groups with mixed on-policy outcomes (dynamic sampling's drop metrics)."""
-    drops = [(correct, wrong) for step, correct, wrong in run.get("dropped_by_step", []) if step > warmup_steps]
+    drops = [(correct, wrong) for step, correct, wrong, *_ in run.get("dropped_by_step", []) if step > warmup_steps]
     if not drops:
         return None
     return 1.0 - statistics.mean(c for c, _ in drops) - statistics.mean(w for _, w in drops)

@@ -67,6 +67,8 @@ def parse_args(argv, bench: config.BenchConfig) -> argparse.Namespace:
                         help="0/1-reward (dynamic sampling) variants: the share of prompts whose on-policy outcomes can "
                              "differ; the others are settled all correct or all wrong (default: every prompt live)")
     parser.add_argument("--no-regime", action="store_true", help="skip the regime runs")
+    parser.add_argument("--no-main", action="store_true",
+                        help="skip the main table's runs (one optimizer step per rollout batch): the regime runs only")
     parser.add_argument("--regime-reps", type=int, default=None, help="regime repetitions (default: the preset's)")
     parser.add_argument("--max-load", type=float, default=d["max_load"],
                         help="repeat a run when the 1-min load average before or after it exceeds this (default: CPUs)")
@@ -140,7 +142,8 @@ def rerender(source: Path, out: Path, bench: config.BenchConfig, plot_path: str 
     share = result["meta"].get("mixed_share")
     result["anchor_work_targets"] = anchor_work.check_targets(result["summary"], bench, share)
     if "regime" in result:
-        result["regime"]["summary"] = regime.summarize(result["regime"]["runs"], bench)
+        result["regime"]["summary"] = regime.summarize(result["regime"]["runs"], bench, result["meta"]["g"],
+                                                       result["regime"]["meta"]["batch"])
         result["regime"]["targets"] = regime.check_targets(result["regime"]["summary"], bench)
         result["regime"]["anchor_work_targets"] = regime.anchor_work_targets(result["regime"]["summary"], bench, share)
     print(report.write(result, out, bench))
@@ -168,7 +171,8 @@ def dry_run(args) -> str:
     shape, lines = args.shape, []
     lines.append(f"preset {args.preset}: {args.arch} hidden={shape['hidden']} layers={shape['layers']} on {args.device}, "
                  f"training overrides {args.training or 'none'}")
-    lines.append(f"main: {len(args.variants)} variants x {shape['reps']} repetition(s), {shape['steps']} steps of "
+    lines.append("main: skipped (--no-main)" if args.no_main else
+                 f"main: {len(args.variants)} variants x {shape['reps']} repetition(s), {shape['steps']} steps of "
                  f"{shape['batch']} rows: {', '.join(args.variants)}")
     if args.regime:
         runs = regime.runs_of(args.regime)
@@ -176,6 +180,21 @@ def dry_run(args) -> str:
                      f"runs ({sum(r[2] for r in runs)} optimizer steps each): {', '.join(args.regime['variants'])}")
     lines.append(f"busy machine: repeat a run up to {args.load_retries} time(s) above load {args.max_load:.1f}")
     return "\n".join(lines)
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (short hash), with "+changes" when tracked files differ from it; None outside git."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+changes" if changed else "")
 
 
 def cpu_model() -> str:
@@ -234,7 +253,7 @@ def measure(args, bench: config.BenchConfig, logs: Path) -> dict:
                   f"candidates in {pregeneration['seconds']:.2f} s ({pregeneration['prompts_per_s']:.1f} prompts/s), "
                   f"{pregeneration['share_with_anchor']:.0%} with an anchor", flush=True)
         runs = []
-        for rep in range(shape["reps"]):
+        for rep in range(0 if args.no_main else shape["reps"]):
             for position, name in enumerate(_rotated(args.variants, rep)):
                 run = measured_run(submit, run_variant, {
                     **base, "batch": shape["batch"], "steps": shape["steps"], "variant": bench.variants[name],
@@ -307,6 +326,7 @@ def main(argv: list | None = None) -> int:
             "calibration_found_frac": calibration["calibration_found_frac"], "configs": args.variants,
             "load_before": load_before, "load_after": list(os.getloadavg()), "cpus": os.cpu_count(),
             "wall_s": time.perf_counter() - started, "python": platform.python_version(), "cpu_model": cpu_model(),
+            "commit": git_commit(), "main_table": not args.no_main, "vllm": args.vllm,
             "max_load": args.max_load, "load_retries": args.load_retries,
             "arch": args.arch, "device": args.device, "training_overrides": args.training,
             "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
@@ -322,7 +342,8 @@ def main(argv: list | None = None) -> int:
     }
     if measured["regime_runs"]:
         regime_runs = measured["regime_runs"]
-        result["regime"] = {**regime_runs, "summary": regime.summarize(regime_runs["runs"], bench)}
+        result["regime"] = {**regime_runs, "summary": regime.summarize(regime_runs["runs"], bench, args.g,
+                                                                       args.regime["batch"])}
         result["regime"]["targets"] = regime.check_targets(result["regime"]["summary"], bench)
         result["regime"]["anchor_work_targets"] = regime.anchor_work_targets(result["regime"]["summary"], bench,
                                                                              args.mixed_share)

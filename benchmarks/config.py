@@ -55,6 +55,8 @@ class BenchConfig:
     lora: dict
     regime: dict  # {"variants": [...], "mini_batches": [...], "targets": [...]}
     anchor_work: dict = field(default_factory=dict)  # {"reference": {variant: its paper path}, "targets": [...]}
+    loop_floor: dict = field(default_factory=dict)  # {"base": grpo_dynamic, "logp_price": grpo_b004} (floor.py)
+    table: dict = field(default_factory=dict)  # the current bench table (table.py): {"arguments": ..., "rows": [...]}
 
     @property
     def baselines(self) -> tuple:
@@ -87,7 +89,8 @@ def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
         variants=variants, baseline=raw["baselines"]["full"], lora_baseline=raw["baselines"]["lora"],
         targets=targets, presets=raw["presets"], defaults=raw["defaults"], training=raw["training"], lora=raw["lora"],
         regime=raw.get("regime") or {"variants": [], "mini_batches": []},
-        anchor_work=raw.get("anchor_work") or {},
+        anchor_work=raw.get("anchor_work") or {}, loop_floor=raw.get("loop_floor") or {},
+        table=raw.get("bench_table") or {},
     )
     named = config.baselines + tuple(n for t in targets for n in (t.variant, t.base)) + tuple(config.regime["variants"])
     for name in named:
@@ -98,6 +101,10 @@ def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
     for name in (n for pair in named for n in pair):
         if name not in variants:
             raise ValueError(f"{path}: anchor_work names {name!r}, which is not a variant")
+    for name in list(config.loop_floor.values()) + [n for row in config.table.get("rows", []) for n in
+                                                    (row["variant"], row["base"])]:
+        if name not in variants:
+            raise ValueError(f"{path}: loop_floor or bench_table names {name!r}, which is not a variant")
     for target in targets:
         if target.quantity not in QUANTITIES:
             raise ValueError(f"{path}: target {target.label!r}: quantity must be one of {QUANTITIES}")
@@ -106,6 +113,6 @@ def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
     for target in config.regime.get("targets", []):
         if target["variant"] not in config.regime["variants"] or target["base"] not in config.regime["variants"]:
             raise ValueError(f"{path}: regime target {target}: variant and base must be regime variants")
-        if target["quantity"] not in ("step", "rss") or not (target["m"] == "all" or isinstance(target["m"], int)):
-            raise ValueError(f"{path}: regime target {target}: quantity is step or rss, m an integer or 'all'")
+        if target["quantity"] not in ("step", "rss", "floor") or not (target["m"] == "all" or isinstance(target["m"], int)):
+            raise ValueError(f"{path}: regime target {target}: quantity is step, rss or floor, m an integer or 'all'")
     return config

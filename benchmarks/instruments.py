@@ -27,8 +27,9 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
 * ``other``        rest of the optimizer step: optimizer, scheduler, callbacks (reference resets), logging
 
 Besides the times, the work of each optimizer step (:data:`WORK`): TRL's generate calls for the policy's rows (one per
-generation round), generate calls for the anchor candidates (lazy waves: one per wave), and the rows of every log-prob
-forward pass made while generation batches are built (π_old's and π_ref's; not the loss's).
+generation round) and the rows they generate, generate calls for the anchor candidates (lazy waves: one per wave),
+and the rows of every log-prob forward pass made while generation batches are built (π_old's and π_ref's; not the
+loss's).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from collections import defaultdict
 
 PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
          "push_policy", "other")
-WORK = ("policy_calls", "anchor_calls", "logp_rows")
+WORK = ("policy_calls", "policy_rows", "anchor_calls", "logp_rows")
 
 
 def rss_mb() -> float:
@@ -104,6 +105,7 @@ class Timers:
 def work(calls: dict, rows: dict) -> dict:
     """One step's :data:`WORK` from its call and row counts per timer key."""
     return {"policy_calls": calls.get("policy_generate", calls.get("gen_single_turn", 0)),
+            "policy_rows": rows.get("policy_generate", rows.get("gen_single_turn", 0)),
             "anchor_calls": calls.get("anchor_generate", 0) + calls.get("anchor_generate_after", 0),
             "logp_rows": rows.get("ref_fwd_armor", 0) + rows.get("logps_in_gen", 0)}
 
@@ -116,7 +118,8 @@ def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
 
     t = trainer
     t._generate_and_score_completions = timers.wrap(t._generate_and_score_completions, "gs_total", flag="gen")
-    t._generate_single_turn = timers.wrap(t._generate_single_turn, "gen_single_turn")
+    t._generate_single_turn = timers.wrap(t._generate_single_turn, "gen_single_turn",
+                                          rows_fn=lambda args, result: len(args[0]))  # (prompt_ids, ...)
     t._calculate_rewards = timers.wrap(t._calculate_rewards, "rewards")
     t._prepare_inputs = timers.wrap(t._prepare_inputs, "prepare_inputs")
     t.training_step = timers.wrap(t.training_step, "training_step")
@@ -169,6 +172,7 @@ def _instrument_seam(timers: Timers) -> None:
     GRPOTrainer._generate_single_turn = timers.wrap(
         GRPOTrainer._generate_single_turn, None,
         key_fn=lambda: None if "anchor_gen" in timers.flags else "policy_generate",
+        rows_fn=lambda args, result: len(args[1]),  # (trainer, prompt_ids, ...)
     )
 
 

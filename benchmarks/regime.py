@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from benchmarks import anchor_work
+from benchmarks import anchor_work, floor
 from benchmarks.config import BenchConfig
 from benchmarks.instruments import PARTS
 from benchmarks.summary import stats, work_per_step, work_table
@@ -46,9 +46,10 @@ def runs_of(regime: dict) -> list:
     return out
 
 
-def summarize(runs: list, bench: BenchConfig) -> dict:
-    """Per variant and M: cost per optimizer step (median over repetitions [min–max]), its split, peak RSS, and
-    ratios to the baselines at the same M (ratio of medians, paired by repetition)."""
+def summarize(runs: list, bench: BenchConfig, g: int, batch: int) -> dict:
+    """Per variant and M: cost per optimizer step (median over repetitions [min–max]), its split, peak RSS, ratios to
+    the baselines at the same M (ratio of medians, paired by repetition) and, inside DAPO's loop, ARMOR's floor
+    (``g`` rows per group, ``batch`` rows per optimizer step)."""
     groups: dict = {}
     for run in runs:
         run["cost_per_step_s"] = statistics.mean(s["step_s"] for s in run["steps"][run["warmup_steps"]:])
@@ -73,22 +74,32 @@ def summarize(runs: list, bench: BenchConfig) -> dict:
             summary[name][str(m)]["anchor_work"] = work
     for m in {m for by_m in summary.values() for m in by_m}:
         anchor_work.with_ratios({name: by_m[m] for name, by_m in summary.items() if m in by_m}, bench)
+    bases = bench.baselines + ((bench.loop_floor["base"],) if bench.loop_floor else ())  # (× grpo_dynamic: the loop)
     for name, by_m in summary.items():
         for m, entry in by_m.items():
-            for base in bench.baselines:
+            for base in bases:
                 if base in summary and m in summary[base]:
                     entry["vs_" + base] = _ratios(groups[(name, int(m))], groups[(base, int(m))])
+    floor.add(summary, runs, bench, g, batch)
     return summary
 
 
 def check_targets(summary: dict, bench: BenchConfig) -> list:
-    """Issue 20's targets (bench.yaml regime.targets): per (variant, M) the ratio of medians and its paired range."""
+    """The regime's targets (bench.yaml regime.targets): per (variant, M) the ratio of medians and its paired range, or
+    (quantity floor) a loop variant's measured / floor."""
     rows = []
     for target in bench.regime.get("targets", []):
         variant, base, quantity = target["variant"], target["base"], target["quantity"]
         by_m = summary.get(variant, {})
         ms = list(by_m) if target["m"] == "all" else [str(target["m"])]
         for m in ms:
+            if quantity == "floor":  # measured / floor of a loop variant (its base: the floor's, grpo_dynamic)
+                value = (by_m.get(m, {}).get("floor") or {}).get("measured_over_floor")
+                if value is not None:
+                    rows.append({"target": f"{variant} measured / floor at M={m} <= {target['bound']:.2f}",
+                                 "measured": value, "paired_min": None, "paired_max": None,
+                                 "met": value <= target["bound"]})
+                continue
             ratios = by_m.get(m, {}).get("vs_" + base)
             if ratios is None:
                 continue
@@ -151,11 +162,13 @@ def table(regime: dict, bench: BenchConfig) -> list:
     lines += anchor_work.table(summary, "Anchor candidates per optimizer step at each M (same runs; over the measured "
                                "steps, median over repetitions):", m_of=True)
     lines += anchor_work.targets_table(regime.get("anchor_work_targets") or [])
+    lines += floor.table(summary)
     targets = regime.get("targets") or []
     if targets:
         lines += ["", "Regime targets (ratio of medians; paired range over repetitions):", "",
                   "| target | measured | paired range | met |", "|---|---|---|---|"]
-        lines += [f"| {t['target']} | {t['measured']:.3f} | {t['paired_min']:.3f}–{t['paired_max']:.3f} | "
+        lines += [f"| {t['target']} | {t['measured']:.3f} | "
+                  + ("—" if t["paired_min"] is None else f"{t['paired_min']:.3f}–{t['paired_max']:.3f}") + " | "
                   f"{'yes' if t['met'] else 'NO'} |" for t in targets]
     return lines
 

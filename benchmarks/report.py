@@ -126,6 +126,8 @@ def _notes(meta: dict, summary: dict, bench: BenchConfig) -> list:
 
 def format_report(result: dict, bench: BenchConfig) -> str:
     meta, summary = result["meta"], result["summary"]
+    if not summary:  # --no-main: the regime runs only
+        return "\n".join(_header(meta) + regime.table(result["regime"], bench)) + "\n"
     lines = (
         _header(meta) + _step_table(summary, bench.baseline, bench.lora_baseline) + _pregeneration(meta)
         + _split_table(summary) + _targets_table(meta, result["targets"])

@@ -67,8 +67,10 @@ def run_variant(task: dict) -> dict:
         values = [h[key] for h in trainer.state.log_history if key in h]
         if values:
             result.setdefault("metrics", {})[key] = values
-    # dynamic sampling's drops with their optimizer step (with M > 1 only rollout steps log them)
-    drops = [[h["step"], h["armor/dropped_all_correct_frac"], h["armor/dropped_all_wrong_frac"]]
+    # dynamic sampling's drops with their optimizer step (with M > 1 only rollout steps log them): shares of the
+    # groups generated that were all correct, all wrong, without an anchor (the gate), and the groups generated
+    drops = [[h["step"], h["armor/dropped_all_correct_frac"], h["armor/dropped_all_wrong_frac"],
+              h.get("armor/dropped_no_anchor_frac", 0.0), h.get("armor/prompts_per_step")]
              for h in trainer.state.log_history if "armor/dropped_all_correct_frac" in h]
     if drops:
         result["dropped_by_step"] = drops

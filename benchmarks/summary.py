@@ -177,7 +177,8 @@ def work_per_step(runs: list, warmup_steps_of) -> dict | None:
     for run in runs:
         steps = run["steps"][warmup_steps_of(run):] or run["steps"][-1:]
         if steps and all("work" in step for step in steps):
-            per_run.append({key: statistics.mean(step["work"][key] for step in steps) for key in WORK})
+            # (runs recorded before the bench counted policy rows lack them: 0)
+            per_run.append({key: statistics.mean(step["work"].get(key, 0) for step in steps) for key in WORK})
     if not per_run:
         return None
     return {key: statistics.median(run[key] for run in per_run) for key in WORK}
@@ -193,11 +194,12 @@ def work_table(entries: dict, title: str, m_of=False) -> list:
             if not done:
                 continue
             rows.append(f"| {name} | {'' if m is None else m + ' | '}{f(done['policy_calls'])} | "
-                        f"{f(done['anchor_calls'])} | {f(anchors.get('candidate_rows_per_step'), 1)} | "
+                        f"{f(done['policy_rows'], 1)} | {f(done['anchor_calls'])} | {f(anchors.get('candidate_rows_per_step'), 1)} | "
                         f"{f(anchors.get('deferred_groups_per_step'))} | {f(done['logp_rows'], 1)} |")
     if not rows:
         return []
     return ["", title, "",
-            "| config | " + ("M | " if m_of else "") + "policy generate calls / opt step | anchor generate calls / opt "
-            "step | candidate rows / opt step | deferred groups / opt step | log-prob rows / opt step |",
-            "|---|" + ("---|" if m_of else "") + "---|---|---|---|---|", *rows]
+            "| config | " + ("M | " if m_of else "") + "policy generate calls / opt step | policy rows / opt step | "
+            "anchor generate calls / opt step | candidate rows / opt step | deferred groups / opt step | log-prob rows "
+            "/ opt step |",
+            "|---|" + ("---|" if m_of else "") + "---|---|---|---|---|---|", *rows]

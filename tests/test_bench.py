@@ -113,6 +113,81 @@ def test_timers_count_rows_of_log_prob_passes_made_not_skipped():
     assert timers.take()[2]["policy_calls"] == 0  # per step: the next starts from zero
 
 
+def _regime_entry(step, policy_gen=0.0, policy_rows=0, ref_fwd=0.0, logp_rows=0, candidates=None):
+    entry = {"cost_per_step_s": {"median": step}, "split_s": {"policy_gen": policy_gen, "ref_fwd": ref_fwd},
+             "work": {"policy_rows": policy_rows, "logp_rows": logp_rows}}
+    if candidates is not None:
+        entry["anchor_work"] = {"candidate_rows_per_step": candidates}
+    return entry
+
+
+def test_the_floor_prices_what_armor_requires_at_the_runs_costs_per_row():
+    from benchmarks import floor
+
+    bench = config.load()
+    summary = {
+        "grpo_dynamic": {"16": _regime_entry(0.30, policy_gen=0.12, policy_rows=60)},  # 2 ms per generated row
+        "grpo_b004": {"16": _regime_entry(0.25, ref_fwd=0.064, logp_rows=64)},  # 1 ms per log-prob row
+        "armor_dynamic_eligible": {"16": _regime_entry(0.40, candidates=20.0)},
+        "armor_full": {"16": _regime_entry(0.28, candidates=16.0)},  # not in the loop: no floor
+    }
+    # two measured optimizer steps after 16 warm-up ones; the rollout step logs 25% of 40 groups dropped for no anchor
+    runs = [{"config": "armor_dynamic_eligible", "mini_batches": 16, "warmup_steps": 16, "steps": [{}] * 18,
+             "dropped_by_step": [[16, 0.2, 0.2, 0.5, 40.0], [17, 0.3, 0.2, 0.25, 40.0]]}]
+    floor.add(summary, runs, bench, g=8, train_rows=32)
+    entry = summary["armor_dynamic_eligible"]["16"]["floor"]
+    assert entry["gate_dropped_groups"] == pytest.approx(0.25 * 40 / 2)
+    # 0.30 + 2 ms × (20 candidate rows + 5 groups × 7 on-policy rows) + 1 ms × 32 rows that train
+    assert entry["floor_s"] == pytest.approx(0.30 + 0.002 * (20 + 5 * 7) + 0.001 * 32)
+    assert entry["measured_over_floor"] == pytest.approx(0.40 / entry["floor_s"])
+    assert "floor" not in summary["armor_full"]["16"] and "floor" not in summary["grpo_dynamic"]["16"]
+    lines = floor.table(summary)
+    assert any(line.startswith("| armor_dynamic_eligible | 16 |") for line in lines)
+    from benchmarks import regime
+
+    judged = {t["target"]: t["met"] for t in regime.check_targets(summary, bench)}
+    assert judged["armor_dynamic_eligible measured / floor at M=16 <= 1.05"] is True  # 0.40 s against 0.442 s
+
+
+def test_the_bench_table_is_rendered_from_a_run_and_copied_between_the_markers(tmp_path):
+    from benchmarks import table
+
+    bench = config.load()
+    result = {"meta": {"commit": "abc1234", "cpu_model": "Test CPU", "cpus": 2, "time": "2026-12-05 10:00:00",
+                       "hidden": 128, "layers": 3, "g": 8, "k": 4, "mixed_share": 0.5, "wall_s": 1200.0,
+                       "mode": "full"},
+              "regime": {"meta": {"mini_batches": [1, 16], "reps": 3, "batch": 32},
+                         "runs": [{"load": [1.0, 1.2]}, {"load": [1.1, 1.4]}], "summary": {}}}
+    paired = {"min": 1.01, "max": 1.2}
+    result["regime"]["summary"] = {
+        "grpo_b004": {m: {"cost_per_step_s": {"median": 0.25}} for m in ("1", "16")},
+        "armor_full": {m: {"cost_per_step_s": {"median": 0.3}, "vs_grpo_b004": {"step": 1.11, "step_paired": paired}}
+                       for m in ("1", "16")},
+        "armor_dynamic_eligible": {m: {"cost_per_step_s": {"median": 0.4}, "floor": {"measured_over_floor": 1.04},
+                                       "vs_grpo_dynamic": {"step": 1.3, "step_paired": paired}} for m in ("1", "16")},
+    }
+    block = table.render(result, bench)
+    assert "commit abc1234 on Test CPU (2 CPUs)" in block and "3 repetitions" in block and "load 1.20–1.40" in block
+    assert "(`grpo_b004`) | — | 0.250 s | 0.250 s |" in block
+    assert "(`armor_full`) | `grpo_b004` | 1.11× (1.01–1.20) | 1.11× (1.01–1.20) |" in block
+    assert "(`armor_dynamic_eligible`) | `grpo_dynamic` | 1.30× (1.01–1.20) |" in block
+    assert "| `armor_dynamic_eligible` | 1.04 | 1.04 |" in block
+    # the pages: the region is replaced, the rest kept; a page without the region is a clear error, none written
+    for page in table.PAGES:
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text(f"# Page\n\nbefore\n{table.START}\nold\n{table.END}\nafter\n")
+    (tmp_path / table.TABLE_FILE).write_text(block + "\n")
+    table.sync(tmp_path)
+    for page in table.PAGES:
+        text = (tmp_path / page).read_text()
+        assert table.region(text) == block and text.startswith("# Page\n\nbefore\n") and text.endswith("after\n")
+    (tmp_path / "README.md").write_text("# no region\n")
+    (tmp_path / table.TABLE_FILE).write_text("new\n")
+    with pytest.raises(ValueError, match="README.md has no bench-table region: add the line <!-- bench-table:start"):
+        table.sync(tmp_path)
+    assert table.region((tmp_path / "docs" / "performance.md").read_text()) == block  # untouched
+
+
 def test_bench_smoke_writes_json_and_table(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     proc = subprocess.run(
@@ -166,7 +241,8 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     # issue 45: the work per optimizer step; log-probs only for the rows that train (π_old at M = 16, π_ref for ARMOR)
     rows = 16  # the smoke preset's rows per optimizer step
     for name, entry in summary.items():
-        assert set(entry["work"]) == {"policy_calls", "anchor_calls", "logp_rows"}, name
+        assert set(entry["work"]) == {"policy_calls", "policy_rows", "anchor_calls", "logp_rows"}, name
+        assert entry["work"]["policy_rows"] >= entry["work"]["policy_calls"] > 0, name
     assert regime["summary"]["grpo_dynamic"]["16"]["work"]["logp_rows"] == rows
     assert regime["summary"]["armor_dynamic"]["16"]["work"]["logp_rows"] <= 2 * rows
     assert summary["grpo_dynamic"]["work"]["policy_calls"] >= 1 and summary["grpo_dynamic"]["work"]["anchor_calls"] == 0
@@ -231,6 +307,16 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     assert "| config | candidate rows / opt step |" in table and "| config | M | candidate rows / opt step |" in table
     assert "| config | M | policy generate calls / opt step |" in table
     assert "| target | measured | paired range | met |" in table
+    # ARMOR in DAPO's loop against its floor, at every M
+    for name in ("armor_dynamic", "armor_dynamic_eligible", "armor_dynamic_lazy", "armor_dynamic_keep",
+                 "armor_dynamic_deferred", "armor_dynamic_deferred_lazy"):
+        for m in ("1", "4", "16"):
+            fl = regime["summary"][name][m]["floor"]
+            assert fl["floor_s"] > regime["summary"]["grpo_dynamic"][m]["cost_per_step_s"]["median"], (name, m)
+            assert fl["measured_over_floor"] > 0 and fl["gen_s_per_row"] > 0 and fl["logp_s_per_row"] > 0, (name, m)
+            assert f"| {name} | {m} |" in table.split("against its floor")[1]
+        assert regime["summary"][name]["16"]["vs_grpo_dynamic"]["step"] > 0
+    assert all("floor" not in regime["summary"][name][m] for name in ("armor_full", "grpo_dynamic") for m in ("1", "16"))
 
     # the tables can be rendered again from the saved raw runs, without training
     again = subprocess.run(

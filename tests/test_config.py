@@ -75,6 +75,7 @@ def test_every_trl_loss_type_and_level_is_allowed_with_the_mixed_ratio():
     "kwargs, message",
     [
         (dict(dynamic_sampling_max_rounds=0), "dynamic_sampling_max_rounds must be an integer >= 1"),
+        (dict(dynamic_sampling_refill="half"), "dynamic_sampling_refill must be one of \\['missing', 'batch'\\]"),
         (dict(advantage_quantile=1.5), "advantage_quantile must lie in \\[0, 1\\]"),
         (dict(dynamic_sampling=True, multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
         (dict(anchor_selection="best"), "anchor_selection must be one of \\['correct', 'any', 'incorrect'\\]"),

@@ -9,6 +9,7 @@ import torch
 
 from armor_trl.algorithm.advantages import group_advantages, group_quantile
 from armor_trl.integration.checkpoint import read_state
+from armor_trl.rollout.dynamic_sampling import refill_groups
 from armor_trl.rollout.refill import RefillSampler, concat_rows, put_rows, take_rows
 from testing import StopAt, has_digit_reward, logged, make_trainer, numbers_dataset, scripted, trainable_state
 
@@ -219,6 +220,106 @@ def test_refill_sampler_is_seeded_resumable_and_shares_the_stream_between_proces
     assert resumed.draw(4) == a.draw(4)
     with pytest.raises(ValueError, match="same training data and seed"):
         RefillSampler(11, seed=3).load_state_dict(a.state_dict())
+
+
+def test_a_refill_round_generates_the_missing_groups_over_the_keep_rate_seen():
+    assert refill_groups(missing=2, generated=64, kept=30, batch_groups=64, whole_batch=False) == 5  # ceil(4.27)
+    assert refill_groups(missing=1, generated=8, kept=8, batch_groups=64, whole_batch=False) == 1
+    assert refill_groups(missing=40, generated=64, kept=10, batch_groups=64, whole_batch=False) == 64  # at most a batch
+    assert refill_groups(missing=3, generated=64, kept=0, batch_groups=64, whole_batch=False) == 64  # no rate yet
+    assert refill_groups(missing=2, generated=64, kept=30, batch_groups=64, whole_batch=True) == 64  # the last round
+
+
+class StreamGenerator:
+    """Completions fixed by the prompt n and the row's place j among its prompt's rows in the call, never by the
+    round: the policy's rows are right (a digit) when n % 3 == 0, wrong when n % 3 == 1, right for even j when
+    n % 3 == 2; π_ref's j-th candidate is verified iff j >= n % 5 (so n % 5 == 4 finds none within K = 4). A group
+    is generated alike in whatever round, of whatever size, it falls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.rows = tokenizer, 0
+        self.digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+        self.letters = tokenizer.convert_tokens_to_ids(list("abcxyz"))
+
+    def __call__(self, trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        reference = trainer.reference is not None and trainer.model_wrapped is trainer.reference.model
+        self.rows += 0 if reference else len(prompt_ids)
+        seen, out = {}, []
+        for ids in prompt_ids:
+            n = int(self.tokenizer.decode(ids, skip_special_tokens=True).split("+")[0])
+            j = seen.get(tuple(ids), 0) % num_generations
+            seen[tuple(ids)] = seen.get(tuple(ids), 0) + 1
+            right = j >= n % 5 if reference else n % 3 == 0 or (n % 3 == 2 and j % 2 == 0)
+            out.append([self.digits[(n + j) % 10] if right else self.letters[(n + j) % 6], self.letters[j % 6]])
+        return out, None
+
+
+STREAM_NUMBERS = [n for n in range(90) if n % 3 == 2 or n % 6 == 0]
+
+
+def stream_run(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, **fields):
+    """Three rollout batches of 8 groups on the stream generator, over prompts two thirds of which are mixed: the
+    trainer, each batch with the prompts of its rounds and where its refill stream began, and the generator."""
+    from trl import GRPOTrainer
+
+    fake = StreamGenerator(tiny_tokenizer)
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", lambda trainer, *args, **kw: fake(trainer, *args, **kw))
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(STREAM_NUMBERS), tmp_path,
+                           per_device_train_batch_size=32, max_steps=3, dynamic_sampling=True, anchor_same_call=False,
+                           anchor_num_samples=4, **fields)
+    rounds, batches = capture_batches(trainer)
+    starts, generate = [], trainer._generate_and_score_completions
+
+    def marking(inputs):
+        starts.append((len(rounds), trainer.dynamic_sampling.refill.drawn))
+        return generate(inputs)
+
+    trainer._generate_and_score_completions = marking
+    trainer.train()
+    return trainer, [(rounds[first:end], drawn, batch) for (first, drawn), end, batch
+                     in zip(starts, [s[0] for s in starts[1:]] + [len(rounds)], batches)], fake
+
+
+def trained_groups(batch):
+    """(prompt, its rows' completions and advantages, anchor flags) of each group in the loss, in batch order."""
+    rows = [i for i in range(batch["completion_ids"].size(0)) if batch["completion_mask"][i].sum() > 0]
+    groups = {}
+    for i in rows:
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()
+        anchor = bool(batch["armor_is_anchor"][i]) if "armor_is_anchor" in batch else False
+        groups.setdefault(i // G, (prompt, []))[1].append((completion, round(batch["advantages"][i].item(), 6), anchor))
+    return list(groups.values())
+
+
+@pytest.mark.parametrize("fields, kept", [
+    (PLAIN, lambda n: n % 3 == 2),
+    (dict(), lambda n: n % 3 == 2 and n % 5 != 4),  # the authors' gate: mixed and an anchor among K = 4
+    (dict(anchor_filter="keep"), lambda n: n % 3 == 2),  # keep: candidates drawn after the loop
+], ids=["grpo", "gate", "keep"])
+def test_refill_rounds_of_what_is_missing_train_what_whole_rounds_train(tiny_model_path, tiny_tokenizer, tmp_path,
+                                                                        monkeypatch, fields, kept):
+    whole, whole_batches, whole_fake = stream_run(tiny_model_path, tiny_tokenizer, tmp_path / "whole", monkeypatch,
+                                                  dynamic_sampling_refill="batch", **fields)
+    sized, sized_batches, sized_fake = stream_run(tiny_model_path, tiny_tokenizer, tmp_path / "sized", monkeypatch,
+                                                  **fields)
+    # the first rollout batch starts both streams at the same place: the same groups, rows, advantages, anchors, loss
+    assert trained_groups(sized_batches[0][2]) == trained_groups(whole_batches[0][2])
+    assert logged(sized, "loss")[0] == pytest.approx(logged(whole, "loss")[0], abs=1e-6)
+    for trainer, runs in ((whole, whole_batches), (sized, sized_batches)):
+        for rounds, drawn, batch in runs:
+            # every batch: the first 8 kept groups of its first round's prompts, then of the refill stream from
+            # where it stood; no group the rule keeps is passed over, whatever the size of the rounds
+            stream = RefillSampler(len(STREAM_NUMBERS), trainer.args.seed)
+            stream.drawn = drawn
+            candidates = rounds[0][::G] + [f"{STREAM_NUMBERS[i]}+{STREAM_NUMBERS[i] + 1}=" for i in stream.draw(90)]
+            expected = [p for p in candidates if kept(int(p.split("+")[0]))][:8]
+            assert [tiny_tokenizer.decode(p, skip_special_tokens=True) for p, _ in trained_groups(batch)] == expected
+    assert logged(sized, "armor/batch_short_groups") == logged(whole, "armor/batch_short_groups") == [0.0] * 3
+    # the work: refill rounds after the first are smaller, and fewer policy rows are generated in all
+    assert any(len(r) < 32 for rounds, _, _ in sized_batches for r in rounds[1:])
+    assert all(len(r) == 32 for rounds, _, _ in whole_batches for r in rounds)
+    assert sized_fake.rows < whole_fake.rows
 
 
 def test_concat_rows_repads_prompts_left_and_completions_right():

@@ -34,6 +34,8 @@ def test_refill_under_ddp_and_resume(tiny_model_path, tmp_path, anchor_filter):
     assert calls[0] == calls[1] and rows[0] == rows[1]
     # same number of generation rounds on both processes (generation and reward gathering are collective)
     assert len(straight[0]["round_prompts"]) == len(straight[1]["round_prompts"]) > 4
+    # and as many prompts per round: a refill round's size (what is missing) is agreed between the processes
+    assert [len(p) for p in straight[0]["round_prompts"]] == [len(p) for p in straight[1]["round_prompts"]]
     for rank in straight:
         for batch in rank["batches"]:
             assert all(batch["kept"]), "a batch was left short although informative prompts exist"

@@ -3,8 +3,10 @@
 A round is generated and scored by TRL (with anchors, when ARMOR is on); groups whose on-policy samples are all
 correct or all wrong (and, with ``anchor_filter="drop"``, groups without an anchor) are dropped, and further rounds
 on prompts drawn by :class:`~armor_trl.rollout.refill.RefillSampler` refill the batch until it holds its number of groups or
-``dynamic_sampling_max_rounds`` is reached. Correctness is judged by the verifier alone: the reward functions named
-in ``anchor_reward_funcs`` (all when None), so a shaping reward (format, length) cannot keep a group whose answers are
+``dynamic_sampling_max_rounds`` is reached. A refill round generates what is missing (:func:`refill_groups`; with
+``dynamic_sampling_refill="batch"`` a whole generation batch): the batch is the same either way, the first kept
+groups of the same prompt stream. Correctness is judged by the verifier alone: the reward functions named in
+``anchor_reward_funcs`` (all when None), so a shaping reward (format, length) cannot keep a group whose answers are
 all wrong.
 """
 
@@ -33,6 +35,15 @@ def advantages_across_processes(trainer, local_rewards: torch.Tensor, local_keep
                                   trainer.args.advantage_quantile, keep, trainer.args.advantage_quantile_interpolation)
     rank, rows = trainer.accelerator.process_index, len(local_rewards)
     return advantages[rank * rows : (rank + 1) * rows]
+
+
+def refill_groups(missing: int, generated: int, kept: int, batch_groups: int, whole_batch: bool) -> int:
+    """Groups per process of the next refill round: ``missing`` (the most any process still misses) over the share
+    of groups kept so far (``kept`` of ``generated``, all processes, this batch's rounds), rounded up, at most a
+    generation batch's ``batch_groups``; a whole batch when ``whole_batch`` or nothing was kept yet."""
+    if whole_batch or kept == 0:
+        return batch_groups
+    return min(batch_groups, -(-missing * generated // kept))
 
 
 class DynamicSampling:
@@ -105,9 +116,16 @@ class DynamicSampling:
             short = target - kept_groups
             if rounds >= self.args.dynamic_sampling_max_rounds:
                 break
-            if trainer.accelerator.gather(torch.tensor([short], device=device)).max().item() == 0:
+            # one collective: each process's shortfall and its groups generated and dropped in this batch's rounds
+            agreed = trainer.accelerator.gather(torch.cat([torch.tensor([float(short)], device=device), counts]))
+            agreed = agreed.view(trainer.accelerator.num_processes, -1)
+            missing, generated = int(agreed[:, 0].max().item()), int(agreed[:, 1].sum().item())
+            if missing == 0:
                 break
-            indices = self.refill.draw(target, trainer.accelerator.process_index, trainer.accelerator.num_processes)
+            last = rounds + 1 >= self.args.dynamic_sampling_max_rounds
+            size = refill_groups(missing, generated, generated - int(agreed[:, 2:].sum().item()), target,
+                                 whole_batch=last or self.args.dynamic_sampling_refill == "batch")
+            indices = self.refill.draw(size, trainer.accelerator.process_index, trainer.accelerator.num_processes)
             inputs = [dict(self.dataset[i]) for i in indices for _ in range(group_size)]
         parts = kept
         if short > 0:  # still short: fill the batch with dropped groups, masked out of the loss
