@@ -41,8 +41,13 @@ def _moved_names_getattr(package: str, module, names: dict):
     return __getattr__
 
 
-class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``armor_trl.<old name>`` (and what lies under a moved package, e.g. ``armor_trl.experiments.study``)."""
+class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
+    """Finds ``armor_trl.<old name>`` (and what lies under a moved package, e.g. ``armor_trl.experiments.study``).
+
+    The old name becomes an alias of the module imported under its new name: the module keeps its own ``__spec__``
+    (importlib sets the old spec on a module a loader creates; :meth:`exec_module` puts the module's back), so importlib
+    finds, reloads and treats it as a package under its own name. An old name's spec is a package where the new one is,
+    and its code is the new module's (``python -m armor_trl.cli`` runs ``armor_trl.app.cli``)."""
 
     def __init__(self, package: str):
         self.package = package
@@ -56,10 +61,19 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return None
         return prefix + MOVED[head] + (f".{rest}" if rest else "")
 
+    def new_spec(self, fullname: str):
+        new = self.new_name(fullname)
+        return None if new is None else importlib.util.find_spec(new)
+
     def find_spec(self, fullname, path=None, target=None):
-        if self.new_name(fullname) is None:
+        new_spec = self.new_spec(fullname)
+        if new_spec is None:
             return None
-        return importlib.util.spec_from_loader(fullname, self)
+        is_package = new_spec.submodule_search_locations is not None
+        spec = importlib.util.spec_from_loader(fullname, self, origin=new_spec.origin, is_package=is_package)
+        if is_package:
+            spec.submodule_search_locations = list(new_spec.submodule_search_locations)
+        return spec
 
     def create_module(self, spec):
         new = self.new_name(spec.name)
@@ -68,7 +82,21 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         names = MOVED_NAMES.get(spec.name[len(self.package) + 1:])
         if names and "__getattr__" not in vars(module):  # the old path's names that went elsewhere still resolve
             module.__getattr__ = _moved_names_getattr(self.package, module, names)
+        spec.loader_state = module.__spec__  # importlib sets ``spec`` on the module next: exec_module restores it
         return module
 
     def exec_module(self, module):
-        """The module was executed under its new name."""
+        """The module was executed under its new name: it gets its own spec back."""
+        module.__spec__ = module.__spec__.loader_state
+
+    def is_package(self, fullname: str) -> bool:
+        return self.new_spec(fullname).submodule_search_locations is not None
+
+    def get_code(self, fullname: str):
+        """The new module's code (what ``python -m`` runs)."""
+        new_spec = self.new_spec(fullname)
+        return new_spec.loader.get_code(new_spec.name)
+
+    def get_source(self, fullname: str):
+        new_spec = self.new_spec(fullname)
+        return new_spec.loader.get_source(new_spec.name)

@@ -105,14 +105,16 @@ class ArmorConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "τ: every τ optimizer steps the reference becomes a copy of the current policy. `None` = never "
-            "(a static reference)."
+            "(a static reference). Resets act after an optimizer step that ends a rollout batch (whose rows carry "
+            "π_ref's log-probs from its start): one due inside a batch acts at the batch's end, warned at start-up."
         },
     )
     ref_reset_every_step_until: int | None = field(
         default=None,
         metadata={
-            "help": "Hybrid schedule: reset the reference after every optimizer step up to and including this step, "
-            "then follow `ref_reset_steps` (`None` there = frozen from then on)."
+            "help": "Hybrid schedule: reset the reference after every rollout batch (every optimizer step when each "
+            "ends one) up to and including this step, then follow `ref_reset_steps` (`None` there = frozen from then "
+            "on)."
         },
     )
     anchor_cache: bool = field(
@@ -164,9 +166,9 @@ class ArmorConfig(GRPOConfig):
     ref_reset_at_steps: list[int] | None = field(
         default=None,
         metadata={
-            "help": "Reset the reference right after exactly these optimizer steps (e.g. [80, 120, 160], or the ARMOR "
-            "authors' `log2` schedule [1, 2, 4, 8, ...]). Combines with `ref_reset_steps` and "
-            "`ref_reset_every_step_until`: a step resets when any of them says so."
+            "help": "Reset the reference right after these optimizer steps (e.g. [80, 120, 160], or the ARMOR "
+            "authors' `log2` schedule [1, 2, 4, 8, ...]); one inside a rollout batch at the batch's end. Combines "
+            "with `ref_reset_steps` and `ref_reset_every_step_until`: a step resets when any of them says so."
         },
     )
     armor_alpha_decay_steps: int | None = field(

@@ -36,13 +36,13 @@ from armor_trl.algorithm.advantages import total_rewards
 from armor_trl.rollout.anchors import AnchorRound
 from armor_trl.rollout.batch_logprobs import add_logprobs, skips_round_logps
 from armor_trl.integration.metrics import ArmorMetrics
-from armor_trl.integration.checkpoint import ArmorState, fingerprint, resolve_checkpoint
+from armor_trl.integration.checkpoint import ArmorState, fingerprint, load_policy_weights, resolve_checkpoint
 from armor_trl.callbacks.collapse_guard import CollapseGuard
 from armor_trl.config import ArmorConfig
 from armor_trl.rollout.dynamic_sampling import DynamicSampling, advantages_across_processes
 from armor_trl.rollout.refill import take_rows
 from armor_trl.integration.launcher import check_use_cpu
-from armor_trl.algorithm.loss_rows import entropy_bonus_correction, micro_batch_share, over_kept_rows
+from armor_trl.algorithm.loss_rows import entropy_bonus_correction, kl_beta, micro_batch_share, over_kept_rows
 from armor_trl.algorithm.mixture import kl_reference_logps, mixed_logprobs, mixed_old_inputs
 from armor_trl.rewards.modes import resolve_classifier, resolve_prompt_classifier
 from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
@@ -183,10 +183,7 @@ class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
             save_files=lambda directory, write: self.reference.save_weights(directory, self.unwrapped_policy(), write),
             load_files=lambda directory: self.reference.load_weights(directory, self.unwrapped_policy()),
         )
-        self.add_callback(ReferenceResetCallback(
-            self.reference, self.unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until,
-            args.ref_reset_at_steps, start_step=lambda: self.armor_started_at,
-        ))
+        self.add_callback(ReferenceResetCallback.of(self))
         if args.vllm_reference_server_url is not None:
             # A reference built from a path is assumed to be what the server was started with; otherwise it is pushed.
             from_path = self.reference.kind == "full" and ref_copy is None and not isinstance(ref_model, torch.nn.Module)
@@ -367,10 +364,10 @@ class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
         if ref_logps is not None:
             loss_inputs = mixed_old_inputs(inputs, ref_logps, alpha, self.off_policy_mask_threshold is not None)
             replace = lambda logps: mixed_logprobs(logps, ref_logps, alpha)  # noqa: E731
-        held = micro_batch_share(self, inputs, seam.step_micro_batches(self, inputs), seam.entropy_bonus_enabled(self))
-        coef = seam.entropy_bonus_coef(self)  # (read before TRL's loss updates it)
+        micro_batches, coef = seam.step_micro_batches(self, inputs), seam.entropy_bonus_coef(self)  # (coef: pre-loss)
+        held = micro_batch_share(self, inputs, micro_batches, seam.entropy_bonus_enabled(self))
         loss_inputs = over_kept_rows(self.loss_type, loss_inputs, held)  # rows out of the loss leave its normaliser
-        beta = self.args.beta if "armor_ref_logps" in inputs else 0.0
+        beta = kl_beta(self, inputs, micro_batches) if "armor_ref_logps" in inputs else 0.0  # per on-policy token
         if beta:  # ARMOR + KL: TRL's KL term, of π_θ against π_ref on the on-policy rows (mixture.kl_reference_logps)
             loss_inputs, mixed = dict(loss_inputs), replace
             on_policy = ~inputs["armor_is_anchor"]
@@ -442,6 +439,9 @@ class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
         directory = seam.checkpoint_dir(self, self.state.global_step, trial)
         self.armor_state.save(directory, self._fingerprint(), write=self.args.should_save)
         seam.rotate(self, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):  # (a VLM's weights: under their saved names)
+        load_policy_weights(self, super()._load_from_checkpoint, resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -148,3 +148,80 @@ def test_reference_weights_are_safetensors_not_pickle(tiny_model_path, tiny_toke
     trainer.train()
     data = (tmp_path / "checkpoint-1" / "armor_reference.safetensors").read_bytes()
     assert not data.startswith(b"PK") and not data.startswith(b"\x80")  # neither a torch zip nor a pickle
+
+
+def tiny_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1))
+
+
+def loader_of(model):
+    """What load_policy_weights reads of a trainer, and the record of transformers' loader's calls."""
+    from types import SimpleNamespace
+
+    calls = []
+    trainer = SimpleNamespace(model=model, is_fsdp_enabled=False, accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    return trainer, calls, lambda checkpoint, model=None: calls.append(checkpoint)
+
+
+def test_a_vlm_checkpoint_loads_back_under_the_names_it_was_saved_from(tmp_path):
+    """transformers saves a Qwen2-VL's ``model.visual.*`` as ``visual.*``; every weight loads back into its place."""
+    from transformers import AutoModelForImageTextToText
+
+    from armor_trl.app.tiny import build_tiny_vlm
+
+    saved_from = AutoModelForImageTextToText.from_pretrained(build_tiny_vlm(tmp_path / "initial"))
+    with torch.no_grad():
+        for p in saved_from.parameters():
+            p.add_(1.0)
+    saved_from.save_pretrained(tmp_path / "checkpoint")
+    names = seam.checkpoint_key_names(saved_from)
+    assert names["visual.patch_embed.proj.weight"] == "model.visual.patch_embed.proj.weight"
+
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "initial")
+    trainer, calls, load = loader_of(model)
+    ckpt.load_policy_weights(trainer, load, str(tmp_path / "checkpoint"))
+    assert not calls  # transformers' loader is not used: it would load nothing
+    for (name, p), q in zip(saved_from.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_checkpoint_that_does_not_fit_the_vlm_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    from armor_trl.app.tiny import build_tiny_vlm
+
+    path = build_tiny_vlm(tmp_path)
+    weights = load_file(f"{path}/model.safetensors")
+    del weights["visual.merger.ln_q.bias"]
+    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
+    trainer, _, load = loader_of(AutoModelForImageTextToText.from_pretrained(path))
+    with pytest.raises(ValueError, match=r"not saved from this Qwen2VLForConditionalGeneration.*"
+                                         r"missing in the checkpoint: \['model.visual.merger.ln_q.bias'\]"):
+        ckpt.load_policy_weights(trainer, load, path)
+
+
+def test_a_model_saved_under_its_own_names_loads_through_transformers(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert seam.checkpoint_key_names(model) is None
+    trainer, calls, load = loader_of(model)
+    ckpt.load_policy_weights(trainer, load, str(tiny_model_path))
+    assert calls == [str(tiny_model_path)]
+
+
+def test_resuming_a_model_saved_with_fused_tensors_is_refused(tmp_path):
+    """A Qwen2-MoE saves its fused experts one by one: no renaming loads them back, and transformers' Trainer would
+    leave them at their initial values, so the resume stops."""
+    model = tiny_moe()
+    model.save_pretrained(tmp_path)
+    trainer, calls, load = loader_of(model)
+    with pytest.raises(ValueError, match="Qwen2MoeForCausalLM is saved with tensors converted .*experts.*resuming it "
+                                         "is refused"):
+        ckpt.load_policy_weights(trainer, load, str(tmp_path))
+    assert not calls

@@ -3,7 +3,8 @@
 import pytest
 
 from armor_trl import ArmorConfig
-from armor_trl.integration.checks import describe_update_regime, optimizer_steps_per_rollout
+from armor_trl.integration.checks import (describe_reset_timing, describe_update_regime, log_update_regime,
+                                          optimizer_steps_per_rollout, reset_timing, rollout_end_steps)
 from testing import cpu_args
 
 
@@ -32,6 +33,43 @@ def test_update_regime(tmp_path, fields, steps):
 def test_without_the_mixed_ratio_the_on_policy_text_does_not_mention_it(tmp_path):
     args = ArmorConfig(output_dir=str(tmp_path), **cpu_args(use_mixed_ratio=False))
     assert "fully on-policy" in describe_update_regime(args) and "r_mix" not in describe_update_regime(args)
+
+
+@pytest.mark.parametrize("fields, period", [
+    (dict(), 1), (dict(steps_per_generation=8), 8), (dict(steps_per_generation=8, gradient_accumulation_steps=2), 4),
+    (dict(num_iterations=2), 2), (dict(steps_per_generation=3, gradient_accumulation_steps=2), 3),  # lcm(3, 2) / 2
+])
+def test_rollout_batches_end_every_so_many_optimizer_steps(tmp_path, fields, period):
+    assert rollout_end_steps(ArmorConfig(output_dir=str(tmp_path), **cpu_args(**fields))) == period
+
+
+@pytest.mark.parametrize("fields, moved, every_step", [
+    (dict(ref_reset_steps=16, ref_reset_at_steps=[8, 32]), [], False),  # on rollout-batch ends: nothing to say
+    (dict(ref_reset_steps=25), ["ref_reset_steps=25"], False),
+    (dict(ref_reset_at_steps=[1, 2, 4, 8, 16]), ["ref_reset_at_steps=[1, 2, 4]"], False),
+    (dict(ref_reset_every_step_until=100), [], True),
+])
+def test_a_schedule_with_resets_inside_rollout_batches_is_named_at_start_up(tmp_path, fields, moved, every_step):
+    args = ArmorConfig(output_dir=str(tmp_path), **cpu_args(steps_per_generation=8, **fields))
+    assert reset_timing(args) == (moved, every_step)
+    logged = []
+
+    class Logger:
+        def warning(self, text):
+            logged.append(("warning", text))
+
+        def info(self, text):
+            logged.append(("info", text))
+
+    log_update_regime(args, Logger())
+    resets = [entry for entry in logged if entry[1].startswith("reference resets")]
+    if not (moved or every_step):
+        assert not resets
+        return
+    assert resets == [("warning" if moved else "info", describe_reset_timing(args))]
+    text = resets[0][1]
+    assert all(name.split("=")[0] in text for name in moved)
+    assert "steps_per_generation=8" in text and "gradient_accumulation_steps=1" in text and "multiples of 8" in text
 
 
 @pytest.mark.parametrize("fields", [dict(), dict(vllm_reference_server_port=8001)])

@@ -133,6 +133,11 @@ def test_reset_schedule():
     assert reset_schedule(10, 4, None) == [4, 8]
     assert reset_schedule(10, None, 3) == [1, 2, 3]
     assert describe_resets(10, None, None) == "static reference (never reset)"
+    # resets inside a rollout batch act at its end (every 4 optimizer steps here)
+    assert reset_schedule(20, 5, None, rollout_end=4) == [8, 12, 16, 20]
+    assert reset_schedule(12, None, 6, at_steps=[9], rollout_end=4) == [4, 8, 12]
+    assert describe_resets(12, None, None, [1, 2], 4) == ("reset after steps [1, 2]: 1 resets in 12 steps (at "
+                                                          "rollout-batch ends, every 4 steps) (4)")
 
 
 @pytest.mark.parametrize("method", ["armor", "grpo"])

@@ -7,8 +7,9 @@ a deterministic generator, with invariants (docs/anchors.md, "Which features com
 * where docs/algorithm.md says so, the kept groups, their anchors and advantages, the gate's decisions, the loss and
   its gradient norm equal the paper's path (every group looks, K candidates at once: ``anchor_eligible_only=False``,
   ``anchor_sampling="eager"``) under the same other settings;
-* a run stopped after step 1 and resumed from its checkpoint continues exactly (the same rows, loss and gradient at
-  step 2).
+* at every loss, the π_ref log-probs the batch carries are those of the π_ref the trainer holds;
+* a run stopped after its first rollout batch and resumed from its checkpoint continues exactly (the same rows, loss
+  and gradient at the last step).
 
 The generator is faked at the model (``generate`` and ``generate_batch``, so TRL's transformers and continuous-batching
 paths, a rollout_func through ``generate_completions``, π_ref's full model or LoRA adapter all run as they do): every
@@ -16,12 +17,13 @@ completion is a fixed function of the prompt, whether π_ref or the policy drew 
 Two processes are simulated as tests/test_anchor_waves.py does: the collective counts of anchor sampling
 (``agreed_count``) see another process with two more groups to draw in every call, so this one pads its calls.
 
-Size: 13 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
+Size: 14 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
 online / cache / column, same-call resets, LoRA reference, the generation path: generate / rollout_func / continuous
-batching, VLM prompts, two processes, resume, the 8 loss types, an agent: none / tools / environment_factory); the
-greedy covering array below has 40 combinations (checked to cover every allowed pair), 6 of them refusals. Each trains
-2 steps, plus the paper's path where it differs (30) and a resumed run where asked for (10): 74 short runs
-(docs/anchors.md, "Which features combine", holds the table of pairs and the time).
+batching, VLM prompts, two processes, resume, the 8 loss types, ARMOR + KL, an agent: none / tools /
+environment_factory); the greedy covering array below has 40 combinations (checked to cover every allowed pair),
+6 of them refusals. Each trains 2 steps (6 with two steps per rollout batch), plus the paper's path where it differs
+(30) and a resumed run where asked for (10): 74 short runs (docs/anchors.md, "Which features combine", holds the
+table of pairs and the time).
 
 An agent's generator (``tools`` or ``environment_factory``) calls ``add(n, n + 1)`` in every draw's first turn and gives
 the draw's answer after the tool's result, so which draws are right is the same as without one.
@@ -46,7 +48,7 @@ from armor_trl import ArmorConfig, ArmorGRPOTrainer, generate_completions
 from armor_trl.app.tool_testbed import add
 from armor_trl.reference.policy import REF_ADAPTER
 from armor_trl.rollout import anchor_rollout, anchor_waves
-from testing import capture_rounds, cpu_args, kept_rows, logged, tool_call
+from testing import capture_rounds, cpu_args, kept_rows, logged, reference_logps_gaps, tool_call
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is experimental in TRL
 
@@ -58,13 +60,16 @@ FEATURES = {
     "sampling": ("eager", "lazy"),  # anchor_sampling
     "eligible": ("on", "off"),  # anchor_eligible_only
     "source": ("online", "cache", "column"),  # anchors sampled, from the anchor cache, from a dataset column
-    "same_call": ("off", "resets"),  # π_ref reset after every step, candidates in the policy's call
+    # π_ref reset after every step, candidates in the policy's call; "resets_in_rollout": two optimizer steps per
+    # rollout batch (steps_per_generation=2), so the schedule's resets fall inside a batch and act at its end
+    "same_call": ("off", "resets", "resets_in_rollout"),
     "reference": ("full", "lora"),
     "path": ("generate", "rollout_func", "continuous_batching"),
     "prompts": ("text", "vlm"),
     "processes": ("one", "two"),
     "resume": ("no", "yes"),
     "loss": LOSS_TYPES,
+    "kl": ("off", "on"),  # ARMOR + KL: beta = 0 or 0.05
     "agent": ("none", "tools", "environment"),  # TRL's tool loop: tools=[add], or environment_factory (its add)
 }
 NAMES = tuple(FEATURES)
@@ -259,14 +264,17 @@ def env_rollout(tokenizer):
     return rollout_func
 
 
-# six distinct prompts, visited again across rounds (the cache's rotation); never twice in one round, where which
-# group's draw is which would be arbitrary
-NUMBERS = list(range(6))
+def numbers_for(row: dict) -> range:
+    """Six distinct prompts, visited again across rounds (the cache's rotation); never twice in one round, where which
+    group's draw is which would be arbitrary. Eight with two steps per rollout batch (four prompts each): an epoch of
+    two rollout batches, so the checkpoint after the first is inside an epoch (a resume at an epoch's end replays the
+    previous epoch's prompt order, in TRL's GRPOTrainer too)."""
+    return range(8 if row["same_call"] == "resets_in_rollout" else 6)
 
 
 def dataset_for(row: dict) -> Dataset:
     rows = []
-    for n in NUMBERS:
+    for n in numbers_for(row):
         item = {"prompt": f"{n}+{n + 1}=", "answer": str(2 * n + 1)}
         if row["prompts"] == "vlm" or row["agent"] != "none":  # TRL's tool loop takes chat prompts
             item["prompt"] = [{"role": "user", "content": item["prompt"]}]
@@ -284,8 +292,12 @@ def settings(row: dict, paper: bool = False) -> dict:
                   anchor_eligible_only=False if paper else row["eligible"] == "on",
                   anchor_same_call=row["same_call"] == "resets", dynamic_sampling=row["dynamic"] != "off",
                   dynamic_sampling_keep_unsolved=row["dynamic"] == "keep_unsolved")
-    if row["same_call"] == "resets":
+    if row["kl"] == "on":
+        fields["beta"] = 0.05
+    if row["same_call"] != "off":
         fields["ref_reset_steps"] = 1
+    if row["same_call"] == "resets_in_rollout":  # three rollout batches of two optimizer steps
+        fields.update(steps_per_generation=2, max_steps=6)
     if row["source"] == "cache":
         fields.update(anchor_cache=True, anchor_cache_per_prompt=2)
     elif row["source"] == "column":
@@ -293,8 +305,8 @@ def settings(row: dict, paper: bool = False) -> dict:
     if row["path"] == "continuous_batching":
         fields.update(use_transformers_continuous_batching=True, transformers_continuous_batching_config={
             "num_blocks": 32, "max_batch_tokens": 128, "page_size": 16})
-    if row["resume"] == "yes":
-        fields.update(save_strategy="steps", save_steps=1)
+    if row["resume"] == "yes":  # a checkpoint at the end of the first rollout batch
+        fields.update(save_strategy="steps", save_steps=fields.get("steps_per_generation", 1))
     if row["agent"] != "none":  # a tool call, its result and the answer
         fields["max_completion_length"] = 96
     return fields
@@ -409,8 +421,9 @@ def train(row, output_dir, model_path, processing_class, monkeypatch, paper=Fals
     if row["processes"] == "two":  # the other process has two more groups to draw in every collective call
         for module in (anchor_waves, anchor_rollout):
             monkeypatch.setattr(module, "agreed_count", lambda trainer, local: local + 2)
-    batches = capture_rounds(trainer)
+    batches, gaps = capture_rounds(trainer), reference_logps_gaps(trainer)
     trainer.train(resume_from_checkpoint=resume_from)
+    assert all(gap < 1e-5 for _, gap in gaps), gaps  # π_ref's log-probs at every loss: the π_ref the trainer holds
     for batch in batches:
         if row["prompts"] == "vlm":
             check_rows_keep_their_images(batch, processing_class)
@@ -435,7 +448,8 @@ def test_feature_pairs(row, request, tmp_path, monkeypatch):
         return
 
     trainer, batches, calls = train(row, tmp_path / "run", model_path, processing_class, monkeypatch)
-    assert trainer.state.global_step == 2 and len(logged(trainer, "loss")) == 2
+    steps = settings(row)["max_steps"]
+    assert trainer.state.global_step == steps and len(logged(trainer, "loss")) == steps
     assert calls, "no reward function was called"
 
     if (row["eligible"], row["sampling"]) != ("off", "eager"):  # the paper's path under the same other settings
@@ -447,20 +461,15 @@ def test_feature_pairs(row, request, tmp_path, monkeypatch):
         for key in GATES + ("loss", "grad_norm"):
             assert logged(trainer, key) == pytest.approx(logged(paper, key), abs=1e-5), key
 
-    if row["resume"] == "yes":  # stopped after step 1: that checkpoint alone, resumed
-        cut = tmp_path / "cut"
-        shutil.copytree(tmp_path / "run" / "checkpoint-1", cut / "checkpoint-1")
+    if row["resume"] == "yes":  # stopped after the first rollout batch: that checkpoint alone, resumed
+        cut, checkpoint = tmp_path / "cut", f"checkpoint-{settings(row)['save_steps']}"
+        shutil.copytree(tmp_path / "run" / checkpoint, cut / checkpoint)
         resumed, resumed_batches, _ = train(row, cut, model_path, processing_class, monkeypatch,
-                                            resume_from=str(cut / "checkpoint-1"))
-        assert resumed.state.global_step == 2
+                                            resume_from=str(cut / checkpoint))
+        assert resumed.state.global_step == steps
         assert kept_rows(resumed_batches[-1]) == kept_rows(batches[-1])
-        if row["prompts"] == "vlm":
-            # transformers' Trainer loads the Qwen2-VL checkpoint without the key mapping save_pretrained applied
-            # ("missing keys" warning): the policy resumes from its initial weights (TRL's own GRPOTrainer does not
-            # resume this path exactly either: tests/test_vlm.py), so the gradient is not compared here
-            return
         for key in ("loss", "grad_norm"):
-            assert by_step(resumed, key)[2] == pytest.approx(by_step(trainer, key)[2], abs=1e-6), key
+            assert by_step(resumed, key)[steps] == pytest.approx(by_step(trainer, key)[steps], abs=1e-6), key
 
 
 def test_the_support_table_states_what_the_matrix_runs():

@@ -19,7 +19,8 @@ from trl import GRPOConfig, GRPOTrainer
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from armor_trl.config import SUPPORTED_LOSS_TYPES
 from armor_trl.algorithm.loss_rows import KEPT_ROWS
-from testing import cpu_args, has_digit_reward, logged, make_trainer, numbers_dataset, scripted, trainable_state
+from testing import (cpu_args, has_digit_reward, logged, loss_and_gradient, make_trainer, moved, numbers_dataset,
+                     scripted, trainable_state)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 LEVELS = ("token", "sequence")
@@ -101,14 +102,6 @@ def hand_loss_and_gradient(logp, batch, args, loss_type, level, max_completion_l
     return loss, gradient, ratio
 
 
-def moved(trainer, scale, seed):
-    """Move the policy's weights, as optimizer steps would."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in trainer.model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * scale)
-
-
 def round_in_the_multi_update_regime(trainer):
     """A generation round of the numbers prompts 0..3 (anchors; the gate drops n = 1's group, whose reference candidates
     are all wrong) by a policy that has moved away from π_ref, the policy then moved away from π_old; in float64."""
@@ -129,24 +122,6 @@ def round_in_the_multi_update_regime(trainer):
         batch[name] = batch[name].double()
     moved(trainer, 0.1, seed=2)  # optimizer steps since the rollout: π_θ ≠ π_old
     return batch
-
-
-def loss_and_gradient(trainer, batch, monkeypatch, compute_loss=None):
-    """The trainer's loss on ``batch`` and its gradient with respect to the policy's per-token log-probs (the model's
-    own, handed to the loss as a float64 leaf)."""
-    seen = {}
-    original = GRPOTrainer._get_per_token_logps_and_entropies
-
-    def leaf_logps(self, *args, **kwargs):
-        logps, entropies, aux = original(self, *args, **kwargs)
-        seen["logp"] = logps.detach().double().requires_grad_(True)
-        return seen["logp"], entropies, aux
-
-    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", leaf_logps)
-    loss = (compute_loss or trainer._compute_loss)(trainer.model, batch)
-    loss.backward()
-    monkeypatch.undo()
-    return loss.detach(), seen["logp"].grad, seen["logp"].detach()
 
 
 @pytest.mark.parametrize("loss_type,level", CASES, ids=IDS)

@@ -6,7 +6,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from armor_trl.reference.policy import reset_due
-from testing import digit_share_reward, make_trainer as _make_trainer
+from testing import digit_share_reward, make_trainer as _make_trainer, reference_logps_gaps
 
 
 def make_trainer(*args, **kwargs):
@@ -183,3 +183,51 @@ def test_lora_reset_after_training_is_exact(lora, tiny_model_path, tiny_tokenize
     assert gap_before > 1e-3
     trainer.reference.reset(trainer.unwrapped_policy(), step=1)
     assert logps_gap(trainer) == 0.0
+
+
+@pytest.mark.parametrize("schedule, resets", [(dict(ref_reset_at_steps=[1]), [0, 1, 1, 1]),
+                                              (dict(ref_reset_steps=1), [0, 1, 1, 2]),
+                                              (dict(ref_reset_every_step_until=3), [0, 1, 1, 2])])
+def test_every_step_trains_against_the_reference_it_holds(schedule, resets, tiny_model_path, tiny_tokenizer,
+                                                          prompt_dataset, tmp_path):
+    """Two optimizer steps per rollout batch (steps_per_generation=2) and resets the schedule places after step 1
+    (inside the first batch): the reset acts at the batch's end, after step 2, so the π_ref log-probs each step's mixed
+    ratio and KL read (computed at the batch's start) are those of the π_ref the trainer holds at that step."""
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, steps_per_generation=2,
+                           max_steps=4, beta=0.04, **schedule)
+    distance, gaps = DistanceToPolicy(trainer), reference_logps_gaps(trainer)
+    trainer.add_callback(distance)
+    trainer.train()
+    assert [step for step, _ in gaps] == [1, 2, 3, 4]
+    assert max(gap for _, gap in gaps) < 1e-5, gaps
+    assert distance.resets == resets  # after step 2 (and 4), the ends of the rollout batches
+    assert distance.to_policy[1] == 0.0 and distance.to_policy[0] > 0.0
+
+
+def test_a_reset_waiting_for_its_rollout_batch_survives_a_checkpoint():
+    """A reset due inside a rollout batch waits for its end; a checkpoint written meanwhile keeps it waiting, and the
+    resumed run (which starts a new rollout batch) resets at its start."""
+    from types import SimpleNamespace
+
+    from armor_trl.reference.policy import ReferencePolicy, ReferenceResetCallback
+
+    policy = torch.nn.Linear(2, 2)
+    reference = ReferencePolicy.full(torch.nn.Linear(2, 2))
+    ended = [False]
+    callback = ReferenceResetCallback(reference, lambda: policy, None, None, at_steps=[1],
+                                      rollout_ended=lambda: ended[0])
+    state = SimpleNamespace(global_step=1)
+    callback.on_step_end(None, state, None)
+    assert reference.resets == 0 and reference.reset_pending
+    saved = reference.state_dict()
+
+    resumed = ReferencePolicy.full(torch.nn.Linear(2, 2))
+    resumed.load_state_dict(saved)
+    assert resumed.reset_pending
+    ReferenceResetCallback(resumed, lambda: policy, None, None, at_steps=[1]).on_train_begin(None, state, None)
+    assert resumed.resets == 1 and not resumed.reset_pending
+    assert torch.equal(resumed.model.weight, policy.weight)
+
+    ended[0] = True  # the run that was not interrupted: at the batch's end
+    callback.on_step_end(None, SimpleNamespace(global_step=2), None)
+    assert reference.resets == 1 and reference.last_reset_step == 2 and not reference.reset_pending

@@ -41,7 +41,8 @@ CASES = [
     ("reset_every_2", {"ref_reset_steps": 2}, 4, [True, False, True, False]),
     ("off", {"anchor_same_call": False, "ref_reset_every_step_until": 10}, 3, [False, False, False]),
     ("given_ref_model", {"ref_model": "tiny"}, 2, [False, False]),  # a reference of unknown weights: never
-    ("mid_rollout_reset", {"steps_per_generation": 2, "ref_reset_at_steps": [1, 3]}, 6, [True, False, False]),
+    # resets due inside a rollout batch act at its end (after steps 2 and 4): π_ref holds the generating weights
+    ("mid_rollout_reset", {"steps_per_generation": 2, "ref_reset_at_steps": [1, 3]}, 6, [True, True, True]),
     ("boundary_reset", {"steps_per_generation": 2, "ref_reset_at_steps": [2]}, 6, [True, True, False]),
     ("hybrid_M2", {"steps_per_generation": 2, "ref_reset_every_step_until": 10}, 4, [True, True]),
     ("lora_static", LORA, 3, [True, False, False]),

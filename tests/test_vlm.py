@@ -191,29 +191,38 @@ class ReferenceAtFirstStep(StopAt):
             self.weights = [p.detach().clone() for p in self.trainer.reference.parameters_of(policy)]
 
 
-def test_resume_with_a_vlm_restores_the_reset_reference_exactly(vlm_path, processor, image_dataset, tmp_path):
-    """The reference a resumed run starts from is the one the checkpoint saved after its reset, bit for bit, and the
-    run goes on with anchors and resets. (Losses after the resume are not compared: on this path TRL's own
-    GRPOTrainer does not resume bit-exactly either: checked with ARMOR off on TRL 1.16 / transformers 5.25, step 3's rewards
-    differ.)"""
+def test_a_vlm_run_resumes_exactly(vlm_path, processor, image_dataset, tmp_path):
+    """A run stopped at step 2 and resumed ends like the straight run: the policy's parameters and the losses after
+    the resume are the straight run's, and the reference it starts from is the one the checkpoint saved after its
+    reset, bit for bit. (transformers saves a Qwen2-VL under its checkpoint key names, ``visual.*``, and its Trainer
+    loads them into ``model.visual.*`` without converting them: nothing would load, silently.)"""
     def trainer_for(output_dir):
         return vlm_trainer(vlm_path, processor, image_dataset, output_dir, ref_reset_steps=2, max_steps=4,
                            save_strategy="steps", save_steps=2)
 
-    first = trainer_for(tmp_path)
+    def losses(trainer):
+        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    straight = trainer_for(tmp_path / "straight")
+    straight.train()
+    first = trainer_for(tmp_path / "interrupted")
     first.add_callback(StopAt(2))
     first.train()
     assert first.state.global_step == 2 and first.reference.resets == 1
     saved = [p.detach().clone() for p in first.reference.parameters_of(first.unwrapped_policy())]
     assert not all(torch.equal(a, b) for a, b in zip(saved, build_reference_weights(vlm_path, first)))
 
-    resumed = trainer_for(tmp_path)
+    resumed = trainer_for(tmp_path / "interrupted")
     start = ReferenceAtFirstStep(resumed)
     resumed.add_callback(start)
     resumed.train(resume_from_checkpoint=True)
     assert all(torch.equal(a, b) for a, b in zip(saved, start.weights))
     assert resumed.state.global_step == 4 and resumed.reference.resets == 2
     assert logged(resumed, "armor/anchor_found_frac")
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6, msg=name)
+    assert [losses(resumed)[step] for step in (3, 4)] == pytest.approx([losses(straight)[step] for step in (3, 4)],
+                                                                       abs=1e-6)
 
 
 def build_reference_weights(vlm_path, trainer):

@@ -19,6 +19,7 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import LlamaForCausalLM, TrainerCallback
+from trl import GRPOTrainer
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from armor_trl.integration import trl_generation
@@ -105,6 +106,33 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+# --- a loss and its gradient by the policy's log-probs ---------------------------------------------------------------
+def moved(trainer, scale, seed):
+    """Move the policy's weights, as optimizer steps would."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+
+
+def loss_and_gradient(trainer, batch, monkeypatch, compute_loss=None):
+    """The trainer's loss on ``batch`` and its gradient with respect to the policy's per-token log-probs (the model's
+    own, handed to the loss as a float64 leaf)."""
+    seen = {}
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def leaf_logps(self, *args, **kwargs):
+        logps, entropies, aux = original(self, *args, **kwargs)
+        seen["logp"] = logps.detach().double().requires_grad_(True)
+        return seen["logp"], entropies, aux
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", leaf_logps)
+    loss = (compute_loss or trainer._compute_loss)(trainer.model, batch)
+    loss.backward()
+    monkeypatch.undo()
+    return loss.detach(), seen["logp"].grad, seen["logp"].detach()
+
+
 # --- recorders -----------------------------------------------------------------------------------------------------
 def capture_rounds(trainer):
     """Record the output of every generation round."""
@@ -143,6 +171,25 @@ def with_a_busier_process(monkeypatch, trainer, more: int = 2) -> None:
 
     monkeypatch.setattr(trainer.accelerator, "gather", gather)
     monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+
+
+def reference_logps_gaps(trainer) -> list[tuple[int, float]]:
+    """Records, at every loss, (optimizer step, how far the π_ref log-probs the batch carries, computed at its rollout
+    batch's start, are from those of the π_ref the trainer holds then): 0 unless a reset landed inside the batch."""
+    gaps, original = [], trainer._compute_loss
+
+    def compute_loss(model, inputs):
+        if "armor_ref_logps" in inputs:
+            reference = trainer.reference
+            with torch.no_grad(), reference.active(trainer.unwrapped_policy()):
+                now = trainer._completion_logps(reference.model if reference.kind == "full" else trainer.model, inputs)
+            mask = inputs["completion_mask"].bool()
+            gap = (inputs["armor_ref_logps"] - now)[mask].abs().max().item() if mask.any() else 0.0
+            gaps.append((trainer.state.global_step + 1, gap))
+        return original(model, inputs)
+
+    trainer._compute_loss = compute_loss
+    return gaps
 
 
 def count_reference_rows(monkeypatch, trainer):

@@ -15,8 +15,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import safetensors.torch
+import torch
+from accelerate.utils import is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import logging
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, logging
+
+from armor_trl.integration import trl_seam as seam
 
 logger = logging.get_logger(__name__)
 
@@ -221,3 +226,44 @@ def resolve_checkpoint(args, checkpoint, expected: dict, guard_output_dir: bool 
     defaults = type(args).__dataclass_fields__
     check_fingerprint(checkpoint, expected, {name: defaults[name].default for name in LOOP_FIELDS})
     return checkpoint
+
+
+def load_policy_weights(trainer, load, checkpoint: str, model=None) -> None:
+    """The policy's weights from ``checkpoint``: through transformers' loader (``load``, ``Trainer.
+    _load_from_checkpoint``), except where transformers saved them under other names than the model's
+    (:func:`~armor_trl.integration.trl_seam.checkpoint_key_names`, e.g. a Qwen2-VL). transformers' loader reads those
+    non-strictly under the model's names, so nothing would load and the run would train on from the initial
+    weights: they are loaded here under the names they were saved from, and every weight must load."""
+    policy = trainer.accelerator.unwrap_model(trainer.model if model is None else model)
+    files = weight_files(checkpoint)
+    names = None if not files or trainer.is_fsdp_enabled or is_peft_model(policy) else seam.checkpoint_key_names(policy)
+    if names is None:
+        load(checkpoint, model)
+        return
+    saved = {}
+    for file in files:
+        saved.update(safetensors.torch.load_file(file, device="cpu") if file.endswith(".safetensors")
+                     else torch.load(file, map_location="cpu", weights_only=True))
+    unknown = sorted(set(saved) - set(names))
+    loaded = policy.load_state_dict({names[name]: tensor for name, tensor in saved.items() if name in names},
+                                    strict=False)
+    # a missing name is fine where it is tied to a weight that loaded (an lm_head sharing the embeddings')
+    parameters = policy.state_dict(keep_vars=True)
+    loaded_ids = {id(parameters[names[name]]) for name in saved if name in names}
+    missing = [name for name in loaded.missing_keys if id(parameters[name]) not in loaded_ids]
+    if unknown or missing:
+        raise ValueError(f"Cannot resume the policy's weights from {checkpoint}: it was not saved from this "
+                         f"{type(policy).__name__} (tensors without a place in it: {unknown[:3]}; its weights "
+                         f"missing in the checkpoint: {missing[:3]}).")
+
+
+def weight_files(checkpoint: str) -> list[str]:
+    """The files of a checkpoint's full model weights (safetensors or torch, one file or sharded); none for an
+    adapter's or a sharded FSDP checkpoint."""
+    for single, index in ((SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME), (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
+        if os.path.isfile(os.path.join(checkpoint, single)):
+            return [os.path.join(checkpoint, single)]
+        if os.path.isfile(os.path.join(checkpoint, index)):
+            shards = sorted(set(read_json(os.path.join(checkpoint, index))["weight_map"].values()))
+            return [os.path.join(checkpoint, shard) for shard in shards]
+    return []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 
 
 def close_names(name: str, known) -> list[str]:
@@ -153,12 +154,51 @@ def optimizer_steps_per_rollout(args) -> float:
     return args.steps_per_generation * args.num_iterations / args.gradient_accumulation_steps
 
 
+def rollout_end_steps(args) -> int:
+    """Every how many optimizer steps one ends a rollout batch (``steps_per_generation`` × ``num_iterations``
+    micro-batches, ``gradient_accumulation_steps`` per optimizer step): where π_ref's resets act, 1 when every step
+    ends one."""
+    micro_batches, accumulation = args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps
+    return math.lcm(micro_batches, accumulation) // accumulation
+
+
 def log_update_regime(args, logger) -> None:
-    """Start-up's line on the update regime: a warning where ARMOR's mixed ratio can only act as a gradient weight
-    (fully on-policy), else for the record."""
+    """Start-up's lines on the update regime: a warning where ARMOR's mixed ratio can only act as a gradient weight
+    (fully on-policy), else for the record; and where π_ref's resets act, if the schedule places some inside rollout
+    batches (a warning, but for ``ref_reset_every_step_until`` alone, whose resets then follow the rollout batches)."""
     on_policy = optimizer_steps_per_rollout(args) <= 1
     mixed = getattr(args, "armor_enabled", False) and getattr(args, "use_mixed_ratio", False)
     (logger.warning if on_policy and mixed else logger.info)(describe_update_regime(args))
+    moved, every_step = reset_timing(args)
+    if moved or every_step:
+        (logger.warning if moved else logger.info)(describe_reset_timing(args))
+
+
+def reset_timing(args) -> tuple[list[str], bool]:
+    """The reset fields of ``args`` that place resets inside rollout batches (as ``name=value``), and whether
+    ``ref_reset_every_step_until`` does (every step, with several optimizer steps per rollout batch)."""
+    period = rollout_end_steps(args)
+    if period == 1 or not getattr(args, "armor_enabled", False):
+        return [], False
+    every = args.ref_reset_steps
+    moved = [f"ref_reset_steps={every}"] if every is not None and every % period else []
+    if off := [step for step in args.ref_reset_at_steps or () if step % period]:
+        moved.append(f"ref_reset_at_steps={off[:4] + (['...'] if len(off) > 4 else [])}")
+    return moved, args.ref_reset_every_step_until is not None
+
+
+def describe_reset_timing(args) -> str:
+    """Where π_ref's resets act when the schedule places some inside rollout batches."""
+    period, (moved, every_step) = rollout_end_steps(args), reset_timing(args)
+    until = args.ref_reset_every_step_until
+    placed = moved + ([f"ref_reset_every_step_until={until} (every step)"] if every_step else [])
+    return (f"reference resets: {' and '.join(placed)} place resets inside rollout batches, which end every {period} "
+            f"optimizer steps here (steps_per_generation={args.steps_per_generation} x num_iterations="
+            f"{args.num_iterations} / gradient_accumulation_steps={args.gradient_accumulation_steps}). A rollout "
+            "batch's rows carry π_ref's log-probs from its start (the mixed ratio, the KL's target) and its anchors "
+            "were drawn by that π_ref, so a reset acts at the end of the batch its step falls in (a reset due after "
+            f"step {period + 1} acts after step {2 * period}). Schedule resets at multiples of {period} to have them "
+            "where you wrote them.")
 
 
 def describe_update_regime(args) -> str:

@@ -23,7 +23,8 @@ import math
 import os
 import re
 
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.trainer.utils import (
@@ -51,12 +52,12 @@ OVERRIDDEN = {
     # transformers.Trainer's checkpoint hooks (TRL overrides them too)
     "_save_checkpoint": ["model", "trial"],
     "_load_optimizer_and_scheduler": ["checkpoint"],
+    "_load_from_checkpoint": ["resume_from_checkpoint", "model"],
 }
 # private methods called (not overridden) -> parameters we pass
 CALLED = {
     "_get_output_dir": ["trial"],
     "_determine_best_metric": ["metrics", "trial"],
-    "_load_from_checkpoint": ["resume_from_checkpoint"],
 }
 # What TRL's generation reads for its sampling settings: the trainer's GenerationConfig (transformers path) and the
 # vLLM wrapper's attributes (vLLM path, where generation_kwargs is applied last). The trainer's own attributes are
@@ -75,11 +76,12 @@ VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
 # environment_factory, are checked in TRL's source, not on a built trainer)
 TOOL_ATTRIBUTES = ("_standalone_tools", "environment_factories", "_multi_environment", "_env_tools",
                    "_environment_pool", "environments", "_sync_tool_dicts", "_async_tool_dicts", "_batch_environments")
-# helpers imported from TRL modules that TRL's top level does not export (here and in trl_generation)
+# helpers imported from TRL (and transformers) modules that their top level does not export (here and in
+# trl_generation)
 HELPERS = ("trl.trainer.utils.add_fused_lm_head", "trl.trainer.utils.create_model_from_path",
            "trl.trainer.utils.disable_dropout_in_model", "trl.trainer.utils.get_config_model_id",
            "trl.trainer.utils.use_adapter", "trl.data_utils.is_conversational",
-           "trl.chat_template_utils.parse_response")
+           "trl.chat_template_utils.parse_response", "transformers.core_model_loading.revert_weight_conversion")
 # GRPOTrainer._compute_loss computes the micro-batch's policy log-probs with exactly this many calls of
 # _get_per_token_logps_and_entropies, and builds its ratio from that call's result (see loss_logps_replaced).
 LOSS_LOGPS_CALLS = 1
@@ -92,6 +94,8 @@ ROLLOUT_FUNC_CALL = "self.rollout_func(prompts, self)"
 # (or vLLM's importance-sampling correction does) and keeps them only when its call returned them (round_logps_skipped)
 OLD_LOGPS_TEST = "self.args.gradient_accumulation_steps % generate_every != 0"
 OLD_LOGPS_KEPT = "if old_per_token_logps is not None:"
+# GRPOTrainer._prepare_inputs generates a new rollout batch for a micro-batch when this holds (rollout_batch_ended)
+NEW_ROLLOUT_TEST = "if self._step % generate_every == 0 or self._buffered_inputs is None:"
 LOGPS_IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                       "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -142,6 +146,11 @@ def check_trl_surface() -> list[str]:
         problems.append("GRPOTrainer._generate_and_score_completions no longer decides on (or keeps) the old policy's "
                         f"log-probs with {OLD_LOGPS_TEST!r} / {OLD_LOGPS_KEPT!r}: dynamic sampling's deferred "
                         "log-probs (round_logps_skipped, old_logps_needed) must be checked again")
+    prepare_source = inspect.getsource(GRPOTrainer._prepare_inputs)
+    if NEW_ROLLOUT_TEST not in prepare_source or "generate_every = self.args.steps_per_generation * " \
+            "self.num_iterations" not in prepare_source:
+        problems.append(f"GRPOTrainer._prepare_inputs no longer starts a rollout batch with {NEW_ROLLOUT_TEST!r}: "
+                        "where π_ref's resets act (rollout_batch_ended) must be checked again")
     logps_params = set(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
     if missing := [name for name in LOGPS_IMAGE_FIELDS if name not in logps_params]:
         problems.append(f"GRPOTrainer._get_per_token_logps_and_entropies lacks the image fields {missing}")
@@ -271,6 +280,13 @@ def step_micro_batches(trainer: GRPOTrainer, inputs: dict) -> list[dict]:
     return [buffered[s % per_generation] for s in range(start, start + trainer.current_gradient_accumulation_steps)]
 
 
+def rollout_batch_ended(trainer: GRPOTrainer) -> bool:
+    """Whether TRL generates a new rollout batch for the next micro-batch (its buffered one is used up, or none is
+    buffered), as ``GRPOTrainer._prepare_inputs`` decides (``NEW_ROLLOUT_TEST``)."""
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    return trainer._buffered_inputs is None or trainer._step % generate_every == 0
+
+
 def entropy_bonus_enabled(trainer: GRPOTrainer) -> bool:
     """Whether TRL's loss adds an entropy bonus (``entropy_coef`` ≠ 0 or ``use_adaptive_entropy``)."""
     return trainer._entropy_bonus_enabled
@@ -314,6 +330,27 @@ def rotate(trainer: Trainer, trial=None) -> None:
 def load_weights(trainer: Trainer, checkpoint: str) -> None:
     """Load a checkpoint's model weights into the policy (transformers' own loader: full model or adapter)."""
     trainer._load_from_checkpoint(checkpoint)
+
+
+def checkpoint_key_names(model) -> dict[str, str] | None:
+    """The names ``save_pretrained`` gives ``model``'s tensors in a checkpoint where they are not the model's own
+    (transformers' conversion mapping, reversed: a Qwen2-VL saves ``model.visual.*`` as ``visual.*``), as
+    {checkpoint name: the model's name}; None where it keeps the model's names. A conversion that fuses or splits
+    tensors cannot be read back by a renaming: refused, naming the tensors."""
+    if not isinstance(model, PreTrainedModel):
+        return None
+    placeholders = {name: tensor.detach().to("meta") for name, tensor in model.state_dict().items()}
+    saved = revert_weight_conversion(model, placeholders)
+    if all(placeholders.get(name) is tensor for name, tensor in saved.items()):
+        return None
+    model_names = {id(tensor): name for name, tensor in placeholders.items()}
+    if converted := sorted(name for name, tensor in saved.items() if id(tensor) not in model_names):
+        raise ValueError(
+            f"{type(model).__name__} is saved with tensors converted ({', '.join(converted[:3])}, ...), which no "
+            "renaming loads back (transformers' Trainer would leave them at their initial values, silently): "
+            "resuming it is refused. Start a new run with the checkpoint as `model` (from_pretrained converts them)."
+        )
+    return {name: model_names[id(tensor)] for name, tensor in saved.items()}
 
 
 def is_new_best(trainer: Trainer, metrics: dict) -> bool:

@@ -125,6 +125,8 @@ class ReferencePolicy:
         self.trained_adapter = trained_adapter
         self.resets = 0
         self.last_reset_step = 0
+        # a reset the schedule placed inside a rollout batch, waiting for the batch's end (ReferenceResetCallback)
+        self.reset_pending = False
         # optimizer step after which π_ref was last made equal to the policy (None: never, e.g. a given ref_model)
         self.synced_step: int | None = None
         # Identity of weights, not step arithmetic (a second train(), a rollback or a resume make step numbers lie):
@@ -231,6 +233,7 @@ class ReferencePolicy:
         holds, when it was rolled back to an earlier checkpoint (default ``step``)."""
         self.copy_from(policy)
         self.resets += 1
+        self.reset_pending = False
         self.last_reset_step = step
         self.synced_step = step
         self.weights_step = step if weights_step is None else weights_step
@@ -320,7 +323,8 @@ class ReferencePolicy:
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "resets": self.resets, "last_reset_step": self.last_reset_step,
                 "synced_step": self.synced_step, "weights_step": self.weights_step,
-                "policy_version": self.policy_version, "copied_version": self.copied_version}
+                "policy_version": self.policy_version, "copied_version": self.copied_version,
+                "reset_pending": self.reset_pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != self.kind:
@@ -332,6 +336,7 @@ class ReferencePolicy:
         self.last_reset_step = state["last_reset_step"]
         self.synced_step = state.get("synced_step")
         self.weights_step = state.get("weights_step")
+        self.reset_pending = state.get("reset_pending", False)
         # Loaded with the policy's weights of the same checkpoint (resume, rollback): those get a version not used
         # before in this process, and π_ref equals them iff it equalled them when saved. Checkpoints written before
         # versions existed do not say, so π_ref counts as different (a separate reference call, always exact).
@@ -396,20 +401,39 @@ def copy_model_for_reference(model: nn.Module) -> nn.Module:
 
 
 class ReferenceResetCallback(TrainerCallback):
-    """Resets the reference on ARMOR's schedule, right after each optimizer step.
+    """Resets the reference on ARMOR's schedule, right after an optimizer step that ends a rollout batch.
 
-    ``start_step()`` gives the optimizer step ARMOR started at (the schedule counts from there), or None while ARMOR
-    is dormant (no resets); by default 0.
+    A rollout batch's rows carry π_ref's log-probs from the batch's start (the mixed ratio, the KL's target), and its
+    anchors were drawn by that π_ref: a reset the schedule places inside a batch waits for the batch's end
+    (``rollout_ended()``: TRL generates a new batch for the next micro-batch), so every step of a batch trains against
+    the π_ref it was built with. ``start_step()`` gives the optimizer step ARMOR started at (the schedule counts from
+    there), or None while ARMOR is dormant (no resets); by default 0.
     """
 
     def __init__(self, reference: ReferencePolicy, get_policy, reset_steps: int | None, every_step_until: int | None,
-                 at_steps=None, start_step=lambda: 0):
+                 at_steps=None, start_step=lambda: 0, rollout_ended=lambda: True):
         self.reference = reference
         self.get_policy = get_policy
         self.reset_steps = reset_steps
         self.every_step_until = every_step_until
         self.at_steps = set(at_steps or ())
         self.start_step = start_step
+        self.rollout_ended = rollout_ended
+
+    @classmethod
+    def of(cls, trainer) -> ReferenceResetCallback:
+        """An ArmorGRPOTrainer's: its π_ref and schedule (counted from the step ARMOR started at), reset at the ends
+        of TRL's rollout batches."""
+        args = trainer.args
+        return cls(trainer.reference, trainer.unwrapped_policy, args.ref_reset_steps, args.ref_reset_every_step_until,
+                   args.ref_reset_at_steps, start_step=lambda: trainer.armor_started_at,
+                   rollout_ended=lambda: seam.rollout_batch_ended(trainer))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # a reset left waiting in a checkpoint written inside a rollout batch: the resumed run starts a new batch
+        if self.reference.reset_pending and self.start_step() is not None:
+            self.reference.reset(self.get_policy(), state.global_step)
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         self.reference.policy_changed()
@@ -417,6 +441,8 @@ class ReferenceResetCallback(TrainerCallback):
         if start is None:
             return control
         if reset_due(state.global_step - start, self.reset_steps, self.every_step_until, self.at_steps):
+            self.reference.reset_pending = True
+        if self.reference.reset_pending and self.rollout_ended():
             self.reference.reset(self.get_policy(), state.global_step)
         return control
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from armor_trl.algorithm.loss_rows import count_on_policy
 from armor_trl.integration import trl_generation
 
 
@@ -26,6 +27,8 @@ def add_logprobs(trainer, output: dict) -> None:
         output["old_per_token_logps"] = trainer._completion_logps(trainer.model, output)
     if not trainer.armor_active:
         return
+    if args.beta != 0.0:  # ARMOR + KL's normalisers, over the rows that train
+        count_on_policy(trainer, output)
     rollout = trainer.anchor_rollout
     same_call = args.use_anchors and rollout is not None and rollout.same_call_round  # (every round of a batch alike)
     needs_ref_logps = args.use_mixed_ratio or args.off_policy_ratio or args.beta != 0.0  # (β: ARMOR + KL)

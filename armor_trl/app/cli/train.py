@@ -51,23 +51,29 @@ def _dry_run_datasets(script_args: TrainScriptArguments):
     return train, held_out, notes
 
 
-def reset_schedule(max_steps: int, every: int | None, until: int | None) -> list[int]:
-    """Optimizer steps (1..max_steps) after which ARMOR resets the reference."""
+def reset_schedule(max_steps: int, every: int | None, until: int | None, at_steps=None,
+                   rollout_end: int = 1) -> list[int]:
+    """Optimizer steps (1..max_steps) after which ARMOR resets the reference: each step the schedule names, moved to
+    the end of its rollout batch (a multiple of ``rollout_end``, :func:`~armor_trl.integration.checks.
+    rollout_end_steps`)."""
     from armor_trl.reference.policy import reset_due
 
-    return [step for step in range(1, max_steps + 1) if reset_due(step, every, until)]
+    due = (step for step in range(1, max_steps + 1) if reset_due(step, every, until, at_steps))
+    return sorted({end for step in due if (end := -(-step // rollout_end) * rollout_end) <= max_steps})
 
 
-def describe_resets(max_steps: int, every: int | None, until: int | None) -> str:
-    if every is None and until is None:
+def describe_resets(max_steps: int, every: int | None, until: int | None, at_steps=None, rollout_end: int = 1) -> str:
+    if every is None and until is None and not at_steps:
         return "static reference (never reset)"
     parts = ([f"after every step up to {until}"] if until else []) + ([f"every {every} steps"] if every else
-                                                                       ["frozen"])
+                                                                       ["frozen"] if until else [])
+    what = ", and ".join(filter(None, [" then ".join(parts), f"after steps {list(at_steps)}" if at_steps else ""]))
     if max_steps <= 0:
-        return f"reset {' then '.join(parts)}"
-    steps = reset_schedule(max_steps, every, until)
+        return f"reset {what}"
+    steps = reset_schedule(max_steps, every, until, at_steps, rollout_end)
     shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
-    return f"reset {' then '.join(parts)}: {len(steps)} resets in {max_steps} steps ({shown or 'none'})"
+    ends = f" (at rollout-batch ends, every {rollout_end} steps)" if rollout_end > 1 else ""
+    return f"reset {what}: {len(steps)} resets in {max_steps} steps{ends} ({shown or 'none'})"
 
 
 def check_recipe(script_args, training_args, model_args) -> list[str]:
@@ -177,7 +183,10 @@ def describe_armor_loop(args, max_steps: int) -> list[str]:
             f"from {args.anchor_num_samples} reference samples, selection '{args.anchor_selection}', filter "
             f"'{args.anchor_filter}'), mixed ratio {args.use_mixed_ratio}"
         )
-        lines.append("reference: " + describe_resets(max_steps, args.ref_reset_steps, args.ref_reset_every_step_until))
+        from armor_trl.integration.checks import rollout_end_steps
+
+        lines.append("reference: " + describe_resets(max_steps, args.ref_reset_steps, args.ref_reset_every_step_until,
+                                                     args.ref_reset_at_steps, rollout_end_steps(args)))
     else:
         lines.append("ARMOR: off (use_anchors and use_mixed_ratio false): GRPOTrainer's loss and rollouts")
     if args.dynamic_sampling:
