@@ -27,6 +27,7 @@ class Variant:
     reward: str = "digit"
     args: dict = field(default_factory=dict)  # further ArmorConfig fields
     whatif: tuple = ()
+    tools: bool = False  # the tool workload: the warm-started tool agent, chat prompts, tools=[add] (TRL's tool loop)
 
     @property
     def column(self) -> bool:
@@ -76,6 +77,8 @@ def _variant(name: str, fields: dict) -> Variant:
         problems.append("args are ArmorConfig fields: trainer must be armor_trl")
     if set(variant.whatif) - set(WHATIFS) or (variant.whatif and not variant.armor):
         problems.append(f"whatif takes {WHATIFS}, on ARMOR variants")
+    if variant.tools and (variant.lora or variant.column or variant.whatif):
+        problems.append("tools: true is built for full fine-tuning with online anchors (no lora, column, whatif)")
     if problems:
         raise ValueError(f"bench variant {name!r}: " + "; ".join(problems))
     return variant

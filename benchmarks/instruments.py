@@ -24,6 +24,12 @@ ArmorGRPOTrainer's own methods is touched, so the same instruments serve trl.GRP
                    (``vllm_engine.push_to_engine``, inside ARMOR's ``_generate_single_turn``)
 * ``push_policy``  with vLLM: TRL's pushes of the policy's weights (its ``sync_weights`` at a rollout after an
                    optimizer step, and after an anchor call), taken out of ``policy_gen``
+* ``policy_tools`` with tools (TRL's tool loop): the training rows' turns after their first (the tools run, each
+                   later generation), for GRPO TRL's ``_tool_call_loop``, for ARMOR ``trl_generation.tool_call_loop``
+                   (an anchored round runs the rows' loops in its rollout), taken out of ``gen_other`` /
+                   ``anchor_score``
+* ``anchor_tools`` with tools: π_ref's candidates' turns after their first (TRL's loop inside
+                   ``ToolAnchorRollout._reference_candidates``), taken out of ``anchor_score``
 * ``other``        rest of the optimizer step: optimizer, scheduler, callbacks (reference resets), logging
 
 Besides the times, the work of each optimizer step (:data:`WORK`): TRL's generate calls for the policy's rows (one per
@@ -40,7 +46,7 @@ import time
 from collections import defaultdict
 
 PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
-         "push_policy", "other")
+         "push_policy", "policy_tools", "anchor_tools", "other")
 WORK = ("policy_calls", "policy_rows", "anchor_calls", "logp_rows")
 
 
@@ -67,13 +73,14 @@ class Timers:
         self.flags = set()  # names of the wrapped calls in progress that set a flag
 
     def wrap(self, fn, key, flag=None, key_fn=None, rows_fn=None):
-        """``fn`` timed under ``key`` (or ``key_fn()``; None: not timed); ``flag`` is set while it runs;
-        ``rows_fn(args, result)``: the rows of the call, counted per step."""
+        """``fn`` timed under ``key`` (or ``key_fn()``; None: not timed); ``flag`` is set while it runs (a call made
+        while its own flag is set, from inside itself, is not timed again); ``rows_fn(args, result)``: the rows of
+        the call, counted per step."""
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             name = key_fn() if key_fn else key
-            if name is None:
+            if name is None or (flag is not None and flag in self.flags):
                 return fn(*args, **kwargs)
             if flag:
                 self.flags.add(flag)
@@ -118,8 +125,12 @@ def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
 
     t = trainer
     t._generate_and_score_completions = timers.wrap(t._generate_and_score_completions, "gs_total", flag="gen")
-    t._generate_single_turn = timers.wrap(t._generate_single_turn, "gen_single_turn",
+    # (a tool loop's later turns call it again from inside: timed as the loop's, below)
+    t._generate_single_turn = timers.wrap(t._generate_single_turn, None, flag="single_turn",
+                                          key_fn=lambda: None if "tool_turns" in timers.flags else "gen_single_turn",
                                           rows_fn=lambda args, result: len(args[0]))  # (prompt_ids, ...)
+    if t.tools:  # TRL's tool loop (ARMOR's hook answers an anchored round's call with the trajectories it ran)
+        t._tool_call_loop = timers.wrap(t._tool_call_loop, None, flag="tool_turns", key_fn=tool_turns_key(timers))
     t._calculate_rewards = timers.wrap(t._calculate_rewards, "rewards")
     t._prepare_inputs = timers.wrap(t._prepare_inputs, "prepare_inputs")
     t.training_step = timers.wrap(t.training_step, "training_step")
@@ -155,6 +166,17 @@ def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
     return steps
 
 
+def tool_turns_key(timers: Timers):
+    """The timer key of a tool loop's turns: the candidates' or the training rows' (``anchor_`` / ``policy_tool_turns``),
+    ``_nested`` where the loop runs inside ARMOR's ``_generate_single_turn`` (an anchored round)."""
+
+    def key():
+        who = "anchor" if "candidates" in timers.flags else "policy"
+        return f"{who}_tool_turns" + ("_nested" if "single_turn" in timers.flags else "")
+
+    return key
+
+
 def _instrument_seam(timers: Timers) -> None:
     """ARMOR: the seam helpers, and TRL's generation method where ARMOR calls it for the on-policy rows."""
     from trl import GRPOTrainer
@@ -171,9 +193,16 @@ def _instrument_seam(timers: Timers) -> None:
     # the class attribute, which ARMOR's override reaches through super(); inside trl_generation.generate it is anchors
     GRPOTrainer._generate_single_turn = timers.wrap(
         GRPOTrainer._generate_single_turn, None,
-        key_fn=lambda: None if "anchor_gen" in timers.flags else "policy_generate",
+        key_fn=lambda: None if {"anchor_gen", "tool_turns"} & timers.flags else "policy_generate",
         rows_fn=lambda args, result: len(args[1]),  # (trainer, prompt_ids, ...)
     )
+    # tools: the rollout's loops (the rows' and the candidates'), and the candidates' part of them
+    from armor_trl.rollout.tool_anchors import ToolAnchorRollout
+
+    trl_generation.tool_call_loop = timers.wrap(trl_generation.tool_call_loop, None, flag="tool_turns",
+                                                key_fn=tool_turns_key(timers))
+    ToolAnchorRollout._reference_candidates = timers.wrap(ToolAnchorRollout._reference_candidates, None,
+                                                          flag="candidates", key_fn=lambda: "candidates")
 
 
 def split(raw: dict) -> dict:
@@ -187,17 +216,22 @@ def split(raw: dict) -> dict:
     push_ref = g("ref_push", 0.0) + g("ref_push_after", 0.0)
     push_policy = g("weight_sync", 0.0) - push_ref
     deferred = g("deferred_anchors", 0.0)
+    # tool loops: inside ARMOR's _generate_single_turn (_nested) or beside it, in _generate_and_score_completions
+    nested_tools = g("policy_tool_turns_nested", 0.0) + g("anchor_tool_turns_nested", 0.0)
+    outer_tools = g("policy_tool_turns", 0.0) + g("anchor_tool_turns", 0.0)
     parts = {
         "policy_gen": policy - push_policy,
         "anchor_gen": g("anchor_generate", 0.0) + g("anchor_generate_after", 0.0),
-        "anchor_score": (single_turn - policy - g("anchor_generate", 0.0) - g("ref_push", 0.0)
+        "anchor_score": (single_turn - policy - g("anchor_generate", 0.0) - g("ref_push", 0.0) - nested_tools
                          + deferred - g("anchor_generate_after", 0.0) - g("ref_push_after", 0.0)),
         "ref_fwd": ref,
         "reward": g("rewards", 0.0),
-        "gen_other": g("gs_total", 0.0) - single_turn - g("rewards", 0.0) - ref - deferred,
+        "gen_other": g("gs_total", 0.0) - single_turn - g("rewards", 0.0) - ref - deferred - outer_tools,
         "loss_bwd": g("training_step", 0.0) - g("prepare_inputs", 0.0),
         "push_ref": push_ref,
         "push_policy": push_policy,
+        "policy_tools": g("policy_tool_turns", 0.0) + g("policy_tool_turns_nested", 0.0),
+        "anchor_tools": g("anchor_tool_turns", 0.0) + g("anchor_tool_turns_nested", 0.0),
     }
     parts["other"] = raw["step_s"] - sum(parts.values())
     return parts

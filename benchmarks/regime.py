@@ -75,6 +75,7 @@ def summarize(runs: list, bench: BenchConfig, g: int, batch: int) -> dict:
     for m in {m for by_m in summary.values() for m in by_m}:
         anchor_work.with_ratios({name: by_m[m] for name, by_m in summary.items() if m in by_m}, bench)
     bases = bench.baselines + ((bench.loop_floor["base"],) if bench.loop_floor else ())  # (× grpo_dynamic: the loop)
+    bases += tuple(dict.fromkeys(t["base"] for t in bench.regime.get("targets", []) if t["base"] not in bases))
     for name, by_m in summary.items():
         for m, entry in by_m.items():
             for base in bases:

@@ -165,6 +165,33 @@ def pregenerate_anchors(settings: dict) -> dict:
             "num_candidates": anchor_settings.num_candidates}
 
 
+# The tool workload (variants with tools: true): the tiny tool agent of armor_trl.app.tool_testbed at the bench's shape,
+# warm-started once per bench (TOOL_WARM_STEPS supervised steps) beside the bench's model, so that it calls add(a, b)
+# through TRL's loop; each trajectory is a tool call, its result and an answer, TOOL_COMPLETION tokens at most.
+TOOL_WARM_STEPS = 150
+TOOL_COMPLETION = 160
+TOOL_ITERATIONS = 2
+
+
+def tool_functions(variant: Variant) -> list | None:
+    from armor_trl.app.tool_testbed import TOOLS
+
+    return [TOOLS["add"]] if variant.tools else None
+
+
+def tool_agent(task: dict) -> str:
+    """The bench's tool agent, written next to its model the first time a tools variant needs it (the runs are one
+    after another), then reused."""
+    from armor_trl.app.tool_testbed import build_tool_agent
+
+    path = task["model_path"].rstrip("/") + "-tool-agent"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        build_tool_agent(path + ".tmp", steps=TOOL_WARM_STEPS, seed=task["seed"], hidden_size=task["hidden"],
+                         num_layers=task["layers"], threads=task["threads"])
+        os.replace(path + ".tmp", path)
+    return path
+
+
 def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
     """The variant's trainer on the tiny model (not yet trained), with the console callbacks removed, and the
     seconds its constructor took."""
@@ -187,6 +214,11 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
     )
     if "mini_batches" in task:  # a regime run: M optimizer steps per rollout batch
         common["steps_per_generation"] = task["mini_batches"]
+    model_path = task["model_path"]
+    if variant.tools:
+        model_path = tool_agent(task)
+        common.update(max_completion_length=max(task["completion"], TOOL_COMPLETION),
+                      max_tool_calling_iterations=TOOL_ITERATIONS)
     if variant.trainer == "armor_trl":
         args = ArmorConfig(
             **common, anchor_num_samples=task["k"], anchor_reward_threshold=task["threshold"],
@@ -199,9 +231,12 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
         from peft import LoraConfig
 
         peft_config = LoraConfig(**bench.lora)
-    tokenizer = AutoTokenizer.from_pretrained(task["model_path"])
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     mixed_share = task.get("mixed_share") if variant.reward == "digit_01" else None
-    dataset = Dataset.from_list(make_prompts(task["prompts"], task["seed"], mixed_share))
+    rows = make_prompts(task["prompts"], task["seed"], mixed_share)
+    if variant.tools:  # TRL's tool loop takes chat prompts
+        rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
+    dataset = Dataset.from_list(rows)
     if variant.column:
         from armor_trl.data.pregenerate import attach_anchors
 
@@ -212,8 +247,8 @@ def build_trainer(task: dict, variant: Variant, bench: BenchConfig):
     # TRL's colocated engine as ArmorGRPOTrainer builds it (on a CPU: linear weights TRL's sync can reach), for both
     with vllm_engine.colocated_engine_built(args) if cls is GRPOTrainer else contextlib.nullcontext():
         trainer = cls(
-            model=task["model_path"], reward_funcs=reward, args=args, train_dataset=dataset,
-            processing_class=tokenizer, peft_config=peft_config,
+            model=model_path, reward_funcs=reward, args=args, train_dataset=dataset,
+            processing_class=tokenizer, peft_config=peft_config, tools=tool_functions(variant),
         )
     build_s = time.perf_counter() - start
     for callback in (PrinterCallback, ProgressCallback):

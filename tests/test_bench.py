@@ -24,18 +24,18 @@ CONFIGS = [
     "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible", "armor_dynamic_lazy", "armor_dynamic_keep",
     "armor_dynamic_deferred", "grpo_dynamic_batch", "armor_dynamic_deferred_batch", "armor_dynamic_deferred_lazy",
     "armor_lazy", "armor_same_call", "armor_same_call_lora",
-    "armor_column", "armor_column_lora",
+    "armor_column", "armor_column_lora", "grpo_tools_b004", "armor_tools",
 ]
 REGIME_VARIANTS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_column", "armor_same_call", "grpo_b004_lora", "armor_lora",
     "armor_column_lora", "armor_same_call_lora", "armor_lazy", "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible",
     "armor_dynamic_lazy", "armor_dynamic_keep", "armor_dynamic_deferred", "armor_dynamic_deferred_lazy",
-    "grpo_dynamic_batch", "armor_dynamic_deferred_batch",
+    "grpo_dynamic_batch", "armor_dynamic_deferred_batch", "grpo_tools_b004", "armor_tools",
 ]
 ANCHOR_WORK = ["candidate_rows_per_step", "candidates_scored_per_step", "anchors_per_step", "candidate_rows_per_anchor",
                "eligible_share", "deferred_groups_per_step", "mixed_share"]
 PARTS = ["policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
-         "push_policy", "other"]
+         "push_policy", "policy_tools", "anchor_tools", "other"]
 
 
 def test_bench_config_is_data_and_checked(tmp_path):
@@ -98,6 +98,47 @@ def test_split_counts_the_draw_after_the_refill_loop_as_anchor_work():
     assert parts["anchor_gen"] == pytest.approx(0.2) and parts["push_ref"] == pytest.approx(0.02)
     assert parts["anchor_score"] == pytest.approx(0.05 + 0.08)  # in the round, and the rest of the draw after it
     assert parts["gen_other"] == pytest.approx(0.1) and sum(parts.values()) == pytest.approx(1.0)
+
+
+def test_split_takes_the_tool_loops_turns_out_of_where_they_ran():
+    # ARMOR, an anchored round: the rows' and the candidates' loops run inside its _generate_single_turn (_nested)
+    raw = {"step_s": 1.0, "gs_total": 0.8, "gen_single_turn": 0.6, "policy_generate": 0.1, "anchor_generate": 0.1,
+           "policy_tool_turns_nested": 0.15, "anchor_tool_turns_nested": 0.2, "rewards": 0.05, "ref_fwd_armor": 0.1,
+           "training_step": 0.15, "prepare_inputs": 0.0}
+    parts = instruments.split(raw)
+    assert list(parts) == PARTS
+    assert parts["policy_tools"] == 0.15 and parts["anchor_tools"] == 0.2
+    assert parts["anchor_score"] == pytest.approx(0.05) and sum(parts.values()) == pytest.approx(1.0)
+    # GRPO: TRL's loop runs beside its _generate_single_turn, in _generate_and_score_completions
+    raw = {"step_s": 1.0, "gs_total": 0.8, "gen_single_turn": 0.3, "policy_tool_turns": 0.3, "rewards": 0.05,
+           "logps_in_gen": 0.1, "training_step": 0.15, "prepare_inputs": 0.0}
+    parts = instruments.split(raw)
+    assert parts["policy_tools"] == 0.3 and parts["gen_other"] == pytest.approx(0.05)
+    assert parts["policy_gen"] == 0.3 and sum(parts.values()) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_bench_smoke_of_the_tool_workload(tmp_path):
+    """GRPO and ARMOR with tools (the warm-started tool agent, TRL's loop): the time split shows the rows' tool turns
+    and, for ARMOR, the candidates' own; the regime targets compare ARMOR with GRPO with the same tools."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    configs = ["grpo_b004", "grpo_tools_b004", "armor_tools"]
+    proc = subprocess.run([*BENCH, "--smoke", "--configs", ",".join(configs), "--mini-batches", "1,16", "--out",
+                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    summary, regime = result["summary"], result["regime"]["summary"]
+    assert summary["grpo_b004"]["split_s"]["policy_tools"] == 0.0
+    assert summary["grpo_tools_b004"]["split_s"]["policy_tools"] > 0
+    assert summary["grpo_tools_b004"]["split_s"]["anchor_tools"] == 0.0
+    assert summary["armor_tools"]["metrics"]["armor/anchor_found_frac"] >= 0
+    for m in ("1", "16"):  # (the first step of a rollout batch is a same-call round: no routed candidates there)
+        assert regime["armor_tools"][m]["split_s"]["policy_tools"] > 0, m
+    assert any(regime["armor_tools"][m]["split_s"]["anchor_tools"] > 0 for m in ("1", "16"))
+    tools = [t for t in result["regime"]["targets"] if "armor_tools" in t["target"]]
+    assert [t["target"] for t in tools] == ["step armor_tools / grpo_tools_b004 at M=1 <= 1.30",
+                                            "step armor_tools / grpo_tools_b004 at M=16 <= 1.15"]
+    assert all(isinstance(t["met"], bool) and t["measured"] > 0 for t in tools)
 
 
 def test_timers_count_rows_of_log_prob_passes_made_not_skipped():

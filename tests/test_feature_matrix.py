@@ -17,18 +17,22 @@ completion is a fixed function of the prompt, whether π_ref or the policy drew 
 Two processes are simulated as tests/test_anchor_waves.py does: the collective counts of anchor sampling
 (``agreed_count``) see another process with two more groups to draw in every call, so this one pads its calls.
 
-Size: 13 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
+Size: 14 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
 online / cache / column, same-call resets, LoRA reference, the generation path: generate / rollout_func / continuous
-batching, VLM prompts, two processes, resume, the 8 loss types, ARMOR + KL); the greedy covering array below has 31
-combinations (checked to cover every allowed pair), 2 of them refusals. Each trains 2 steps (6 with two steps per
-rollout batch), plus the paper's path where it differs (23) and a resumed run where asked for (10): 62 short runs, 85 s
-with two pytest-xdist workers on the shared 2-core machine while other jobs ran
-(docs/anchors.md, "Which features combine", holds the table of pairs).
+batching, VLM prompts, two processes, resume, the 8 loss types, ARMOR + KL, an agent: none / tools /
+environment_factory); the greedy covering array below has 40 combinations (checked to cover every allowed pair),
+6 of them refusals. Each trains 2 steps (6 with two steps per rollout batch), plus the paper's path where it differs
+(30) and a resumed run where asked for (10): 74 short runs (docs/anchors.md, "Which features combine", holds the
+table of pairs and the time).
+
+An agent's generator (``tools`` or ``environment_factory``) calls ``add(n, n + 1)`` in every draw's first turn and gives
+the draw's answer after the tool's result, so which draws are right is the same as without one.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import shutil
 from collections import Counter
@@ -41,9 +45,12 @@ from datasets import Dataset
 from PIL import Image
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer, generate_completions
+from armor_trl.app.tool_testbed import add
 from armor_trl.reference.policy import REF_ADAPTER
 from armor_trl.rollout import anchor_rollout, anchor_waves
-from testing import capture_rounds, cpu_args, kept_rows, logged, reference_logps_gaps
+from testing import capture_rounds, cpu_args, kept_rows, logged, reference_logps_gaps, tool_call
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory is experimental in TRL
 
 # --- the features and their levels ------------------------------------------------------------------------------------
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "vespo")
@@ -63,15 +70,22 @@ FEATURES = {
     "resume": ("no", "yes"),
     "loss": LOSS_TYPES,
     "kl": ("off", "on"),  # ARMOR + KL: beta = 0 or 0.05
+    "agent": ("none", "tools", "environment"),  # TRL's tool loop: tools=[add], or environment_factory (its add)
 }
 NAMES = tuple(FEATURES)
 # refused at construction, the error naming both features (these words, one of each side's, in the message)
 REFUSED = {
     (("prompts", "vlm"), ("source", "cache")): ("vision-language", "anchor_cache"),
     (("path", "continuous_batching"), ("prompts", "vlm")): ("continuous_batching", "multimodal"),
+    (("agent", "tools"), ("path", "rollout_func")): ("tools", "rollout_func"),
+    (("agent", "environment"), ("path", "rollout_func")): ("environment_factory", "rollout_func"),
+    (("agent", "environment"), ("source", "cache")): ("anchor_cache", "environment_factory"),
+    (("agent", "environment"), ("source", "column")): ("anchor_source='column'", "environment_factory"),
 }
-# combined nowhere (docs/anchors.md says why): a rollout_func for a VLM would have to generate with the images itself
-EXCLUDED = {(("path", "rollout_func"), ("prompts", "vlm"))}
+# combined nowhere (docs/anchors.md says why): a rollout_func for a VLM would have to generate with the images itself;
+# with environment_factory TRL tokenizes each prompt apart and hands a VLM's image fields over as lists, which ARMOR's
+# per-row image store does not take
+EXCLUDED = {(("path", "rollout_func"), ("prompts", "vlm")), (("agent", "environment"), ("prompts", "vlm"))}
 
 
 def pairs_of(row: dict) -> set:
@@ -104,9 +118,9 @@ def covering_array() -> list[dict]:
             row[name] = best
         rows.append({name: row[name] for name in NAMES})
         missing -= pairs_of(rows[-1])
-    base = rows[0]
-    for (a, x), (b, y) in sorted(REFUSED):
-        rows.append({**base, "path": "generate", "source": "online", a: x, b: y})
+    base = {**rows[0], "path": "generate", "source": "online", "prompts": "text", "agent": "none"}
+    for (a, x), (b, y) in sorted(REFUSED):  # (each with its refused pair alone)
+        rows.append({**base, a: x, b: y})
     return rows
 
 
@@ -146,8 +160,8 @@ class ModelFake:
     candidates (the last K of the G − 1 + K rows of a prompt in the policy's call) are π_ref's draws (π_ref holds the
     policy's weights): they follow π_ref's rule, so the same candidates come in every round until the next reset."""
 
-    def __init__(self, tokenizer, trainer):
-        self.tokenizer, self.trainer = tokenizer, trainer
+    def __init__(self, tokenizer, trainer, tools: bool = False):
+        self.tokenizer, self.trainer, self.tools = tokenizer, trainer, tools
         self.digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
         self.letters = tokenizer.convert_tokens_to_ids(list("abcxyz"))
         self.calls: dict = {}
@@ -165,6 +179,8 @@ class ModelFake:
         return self.trainer.model.active_adapter == REF_ADAPTER
 
     def completions(self, model, prompts: list[list[int]]) -> list[list[int]]:
+        """One list of token ids per prompt; with an agent (``tools``: a tool call first, the draw's answer after the
+        tool's result) each ends in eos and is padded to the call's widest."""
         reference = self.is_reference(model)
         per_prompt = Counter(map(tuple, prompts))
         same_call = not reference and set(per_prompt.values()) == {G - 1 + K}
@@ -186,10 +202,14 @@ class ModelFake:
                 correct = kind == 0 or (kind == 2 and j % 2 == 0)
                 token = self.digits[(n + self.step) % 10] if correct else self.letters[(n + j) % 6]
                 out.append([token, self.letters[(j + self.round) % 6], self.letters[n % 6]])
+            if self.tools:  # every draw calls add(n, n + 1) first; after its result, the draw's answer
+                turn = tool_call("add", a=n, b=n + 1) if "\nt:" not in text else self.tokenizer.decode(out[-1]) + "</s>"
+                out[-1] = self.tokenizer(turn, add_special_tokens=False)["input_ids"]
             reference = self.is_reference(model)
         for key in seen:
             self.calls[key] = self.calls.get(key, 0) + 1
-        return out
+        width = max(map(len, out))
+        return [ids + [self.tokenizer.pad_token_id] * (width - len(ids)) for ids in out]
 
     def install(self, monkeypatch, model_class):
         fake = self
@@ -201,7 +221,8 @@ class ModelFake:
 
         def generate_batch(model, inputs, **kwargs):
             model.get_input_embeddings()(torch.tensor([inputs[0][:1]]))
-            return {f"req_{i}": SimpleNamespace(generated_tokens=ids)
+            pad = fake.tokenizer.pad_token_id
+            return {f"req_{i}": SimpleNamespace(generated_tokens=[t for t in ids if t != pad])
                     for i, ids in enumerate(fake.completions(model, [list(ids) for ids in inputs]))}
 
         monkeypatch.setattr(model_class, "generate", generate)
@@ -212,7 +233,7 @@ class ModelFake:
 
 # --- the pieces of a run -----------------------------------------------------------------------------------------------
 def has_digit(completion) -> float:
-    text = completion if isinstance(completion, str) else completion[0]["content"]
+    text = completion if isinstance(completion, str) else completion[-1]["content"]
     return float(any(ch.isdigit() for ch in text))
 
 
@@ -255,8 +276,9 @@ def dataset_for(row: dict) -> Dataset:
     rows = []
     for n in numbers_for(row):
         item = {"prompt": f"{n}+{n + 1}=", "answer": str(2 * n + 1)}
-        if row["prompts"] == "vlm":
+        if row["prompts"] == "vlm" or row["agent"] != "none":  # TRL's tool loop takes chat prompts
             item["prompt"] = [{"role": "user", "content": item["prompt"]}]
+        if row["prompts"] == "vlm":
             item["image"] = image_of(n)
         if row["source"] == "column":
             item["anchors"] = [str(2 * n + 1)]
@@ -285,7 +307,19 @@ def settings(row: dict, paper: bool = False) -> dict:
             "num_blocks": 32, "max_batch_tokens": 128, "page_size": 16})
     if row["resume"] == "yes":  # a checkpoint at the end of the first rollout batch
         fields.update(save_strategy="steps", save_steps=fields.get("steps_per_generation", 1))
+    if row["agent"] != "none":  # a tool call, its result and the answer
+        fields["max_completion_length"] = 96
     return fields
+
+
+class AddEnvironment:
+    """environment_factory's environment: reset with the row (nothing to show), its method ``add`` (the tool testbed's)
+    a tool."""
+
+    add = staticmethod(add)
+
+    def reset(self, **kwargs):
+        self.row = kwargs
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +327,24 @@ def vlm(tmp_path_factory):
     from armor_trl.app.tiny import build_tiny_vlm, build_tiny_vlm_processor
 
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm")), build_tiny_vlm_processor()
+
+
+@pytest.fixture(scope="module")
+def tool_vlm(tmp_path_factory):
+    from armor_trl.app.tiny import build_tiny_vlm, build_tiny_vlm_processor
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-tool-vlm"), tools=True), build_tiny_vlm_processor(tools=True)
+
+
+def model_of(row, request):
+    """(model path, processing class) of ``row``: the tiny text model or VLM, with the tool-calling chat template for
+    an agent."""
+    text, vlm = ("tiny_model_path", "tiny_tokenizer"), ("vlm",)
+    if row["agent"] != "none":
+        text, vlm = ("tool_model", "tool_tokenizer"), ("tool_vlm",)
+    names = text if row["prompts"] == "text" else vlm
+    values = [request.getfixturevalue(name) for name in names]
+    return tuple(values) if len(values) == 2 else values[0]
 
 
 def build(row, output_dir, model_path, processing_class, paper=False):
@@ -303,6 +355,8 @@ def build(row, output_dir, model_path, processing_class, paper=False):
     expected = set(data.column_names) - {"prompt"} | {"trainer_state", "log_extra", "log_metric"}
     if row["path"] == "rollout_func":
         expected.add("env_score")
+    if row["agent"] == "environment":
+        expected.add("environments")
     calls = []
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     trainer = ArmorGRPOTrainer(
@@ -310,7 +364,9 @@ def build(row, output_dir, model_path, processing_class, paper=False):
         args=ArmorConfig(output_dir=str(output_dir), **cpu_args(**settings(row, paper))), train_dataset=data,
         processing_class=processing_class,
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if row["reference"] == "lora" else None,
-        rollout_func=env_rollout(tokenizer) if row["path"] == "rollout_func" else None)
+        rollout_func=env_rollout(tokenizer) if row["path"] == "rollout_func" else None,
+        tools=[add] if row["agent"] == "tools" else None,
+        environment_factory=AddEnvironment if row["agent"] == "environment" else None)
     return trainer, calls
 
 
@@ -330,6 +386,21 @@ def check_rows_keep_their_images(batch, processor) -> None:
         assert torch.equal(pixels.cpu(), expected["pixel_values"]), text
 
 
+def check_tool_results_are_masked(batch, tokenizer, column: bool) -> None:
+    """Every row of an agent's batch, anchors included, is a tool call, add's result for its own prompt (masked out
+    of the loss: tool_mask 0) and an answer (the model's: tool_mask 1); an anchor from the dataset column, written
+    before any loop ran, is one model turn, its answer (every token the model's)."""
+    for i in torch.nonzero(batch["completion_mask"].sum(dim=1) > 0).flatten().tolist():
+        n = int(re.search(r"(\d+)\+", tokenizer.decode(batch["prompt_ids"][i], skip_special_tokens=True)).group(1))
+        ids = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
+        tool = batch["tool_mask"][i][: len(ids)].bool()
+        if column and batch["armor_is_anchor"][i] and tool.all():  # (a same-call round's anchor ran the loop)
+            assert tokenizer.decode(ids, skip_special_tokens=True) == str(2 * n + 1)
+            continue
+        assert tokenizer.decode(ids[~tool]) == f"\nt:{2 * n + 1}\na:", (i, tokenizer.decode(ids))
+        assert tokenizer.decode(ids[tool]).startswith(tool_call("add", a=n, b=n + 1)), (i, tokenizer.decode(ids))
+
+
 def first_difference(rows: list, expected: list):
     """Where two lists of kept rows first differ, for the assertion's message."""
     index = next((i for i, (a, b) in enumerate(zip(rows, expected)) if a != b), min(len(rows), len(expected)))
@@ -345,16 +416,19 @@ def train(row, output_dir, model_path, processing_class, monkeypatch, paper=Fals
     trainer, calls = build(row, output_dir, model_path, processing_class, paper)
     policy = trainer.unwrapped_policy()
     base = policy.get_base_model() if row["reference"] == "lora" else policy
-    ModelFake(getattr(processing_class, "tokenizer", processing_class), trainer).install(monkeypatch, type(base))
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    ModelFake(tokenizer, trainer, tools=row["agent"] != "none").install(monkeypatch, type(base))
     if row["processes"] == "two":  # the other process has two more groups to draw in every collective call
         for module in (anchor_waves, anchor_rollout):
             monkeypatch.setattr(module, "agreed_count", lambda trainer, local: local + 2)
     batches, gaps = capture_rounds(trainer), reference_logps_gaps(trainer)
     trainer.train(resume_from_checkpoint=resume_from)
     assert all(gap < 1e-5 for _, gap in gaps), gaps  # π_ref's log-probs at every loss: the π_ref the trainer holds
-    if row["prompts"] == "vlm":
-        for batch in batches:
+    for batch in batches:
+        if row["prompts"] == "vlm":
             check_rows_keep_their_images(batch, processing_class)
+        if row["agent"] != "none":
+            check_tool_results_are_masked(batch, tokenizer, column=row["source"] == "column")
     return trainer, batches, calls
 
 
@@ -363,8 +437,8 @@ def by_step(trainer, key) -> dict:
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row_id(row) for row in ROWS])
-def test_feature_pairs(row, tiny_model_path, tiny_tokenizer, vlm, tmp_path, monkeypatch):
-    model_path, processing_class = (tiny_model_path, tiny_tokenizer) if row["prompts"] == "text" else vlm
+def test_feature_pairs(row, request, tmp_path, monkeypatch):
+    model_path, processing_class = model_of(row, request)
     words = refusal_of(row)
     if words is not None:  # refused at construction, naming both features
         with pytest.raises(ValueError) as refused:
@@ -411,8 +485,9 @@ def test_the_support_table_states_what_the_matrix_runs():
     assert f"{len(trained) + paper + resumed} short runs" in section
     assert all(f"`{loss}`" in section for loss in LOSS_TYPES)
     for (a, x), (b, y) in [*REFUSED, *EXCLUDED]:  # each pair left out of the trained combinations has its row
-        words = {"prompts": "VLM prompts", "source": "`anchor_cache`", "path": {
-            "continuous_batching": "continuous batching", "rollout_func": "`rollout_func`"}}
+        words = {"prompts": "VLM prompts", "source": {"cache": "`anchor_cache`", "column": '`anchor_source="column"`'},
+                 "path": {"continuous_batching": "continuous batching", "rollout_func": "`rollout_func`"},
+                 "agent": {"tools": "`tools`", "environment": "`environment_factory`"}}
         first = words[a] if isinstance(words[a], str) else words[a][x]
         second = words[b] if isinstance(words[b], str) else words[b][y]
         assert any(line.startswith("|") and first in line and second in line for line in section.splitlines()), (a, b)

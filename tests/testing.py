@@ -149,13 +149,16 @@ def capture_rounds(trainer):
 
 
 def kept_rows(batch, digits: int = 5) -> list:
-    """The rows in a batch's loss: (prompt ids, completion ids, advantage rounded to ``digits``, anchor flag), in batch
-    order."""
+    """The rows in a batch's loss: (prompt ids, completion ids, advantage rounded to ``digits``, tool mask over the
+    completion or None without tools, anchor flag), in batch order."""
     rows = []
     for i in torch.nonzero(batch["completion_mask"].sum(dim=1) > 0).flatten().tolist():
         prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
-        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()
-        rows.append((prompt, completion, round(batch["advantages"][i].item(), digits), bool(batch["armor_is_anchor"][i])))
+        kept = batch["completion_mask"][i].bool()
+        completion = batch["completion_ids"][i][kept].tolist()
+        tools = batch["tool_mask"][i][kept].tolist() if "tool_mask" in batch else None
+        rows.append((prompt, completion, round(batch["advantages"][i].item(), digits), tools,
+                     bool(batch["armor_is_anchor"][i])))
     return rows
 
 

@@ -78,6 +78,7 @@ def describe_resets(max_steps: int, every: int | None, until: int | None, at_ste
 
 def check_recipe(script_args, training_args, model_args) -> list[str]:
     """Validate what a run needs besides the parsed configs, without loading weights; return a summary."""
+    from armor_trl.app.tool_testbed import resolve_tools
     from armor_trl.rewards import resolve_rewards
 
     if not model_args.model_name_or_path:
@@ -86,6 +87,10 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
         raise ValueError("dataset_name (a registry name, hub id, local file or 'arithmetic') or a datasets mixture is "
                          "required.")
     rewards = resolve_rewards(script_args.reward_funcs)
+    tools = resolve_tools(script_args.tools)
+    if tools and not script_args.chat:
+        raise ValueError("tools needs chat prompts (TRL's tool loop renders them with the chat template): set chat: "
+                         "true.")
     if script_args.val_every_steps > 0:
         from armor_trl.callbacks.evaluation import check_k
 
@@ -118,6 +123,9 @@ def check_recipe(script_args, training_args, model_args) -> list[str]:
         lora = get_peft_config(model_args)
         lines.append(f"LoRA: r {lora.r}, alpha {lora.lora_alpha}, target modules {lora.target_modules}")
     lines.append(f"rewards: {', '.join(script_args.reward_funcs)} (weights {weights or [1.0] * len(rewards)})")
+    if tools:
+        lines.append(f"tools: {', '.join(script_args.tools)} (TRL's tool loop, at most "
+                     f"{training_args.max_tool_calling_iterations or 'unlimited'} tool-calling iterations)")
     if train is not None:
         source = script_args.dataset_name if script_args.dataset_mixture is None else "datasets mixture of " + ", ".join(
             d.path for d in script_args.dataset_mixture.datasets)

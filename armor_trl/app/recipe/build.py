@@ -175,6 +175,7 @@ def build_trainer(script_args, training_args, model_args, callbacks=(), run_name
     """The trainer of a parsed recipe (ArmorGRPOTrainer or trl.GRPOTrainer), with the validation callback."""
     from trl import GRPOTrainer, get_peft_config, get_quantization_config
 
+    from armor_trl.app.tool_testbed import resolve_tools
     from armor_trl.rewards import resolve_rewards
     from armor_trl.trainer import ArmorGRPOTrainer
 
@@ -193,6 +194,7 @@ def build_trainer(script_args, training_args, model_args, callbacks=(), run_name
     kwargs = dict(
         model=model_args.model_name_or_path,
         reward_funcs=rewards,
+        tools=resolve_tools(script_args.tools) or None,
         args=training_args,
         train_dataset=train,
         quantization_config=get_quantization_config(model_args),

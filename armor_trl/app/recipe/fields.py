@@ -75,6 +75,12 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
                   "(accuracy_reward, think_format_reward, reasoning_accuracy_reward, ...) or import paths "
                   "'pkg.mod:func'. Weights: the config's reward_weights."},
     )
+    tools: list[str] | None = field(
+        default=None,
+        metadata={"help": "Tools for TRL's tool loop (an agent): names of armor_trl.app.tool_testbed.TOOLS (add) or "
+                  "import paths 'pkg.mod:func' (a function with a docstring TRL turns into its schema). Needs chat "
+                  "prompts (chat: true) and a chat template that renders tool calls; see docs/agents.md."},
+    )
     eval_dataset_name: str | None = field(
         default=None, metadata={"help": "Held-out set for validation (logged as val/avg@n). Default: dataset_name's "
                                 "dataset_test_split, unless val_datasets is given."}
