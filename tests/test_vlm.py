@@ -249,6 +249,16 @@ def test_vllm_anchors_for_a_vlm_are_refused_naming_what_works(tmp_path):
         check_vlm_anchors(ArmorConfig(output_dir=str(tmp_path), **cpu_args(use_vllm=True)))
 
 
+def test_environment_anchors_for_a_vlm_are_refused_naming_what_works(tmp_path):
+    """(The whole construction is refused in tests/test_feature_matrix.py, the VLM × environment_factory pair.)"""
+    from armor_trl.integration.checks import check_vlm_anchors
+
+    args = ArmorConfig(output_dir=str(tmp_path), **cpu_args())
+    check_vlm_anchors(args)  # tools or no agent: nothing refused
+    with pytest.raises(ValueError, match="environment_factory and a vision-language model.*tools=.*use_anchors=False"):
+        check_vlm_anchors(args, environments=True)
+
+
 def test_column_anchors_for_a_vlm_join_their_rows_with_their_images(vlm_path, processor, tmp_path):
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{n}+{n + 1}="}], "image": image_of(n),
                                   "anchors": [f"{2 * n + 1}"]} for n in range(16)])

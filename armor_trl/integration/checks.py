@@ -106,7 +106,7 @@ def check_built(trainer) -> None:
 
     args = trainer.args
     if args.use_anchors and seam.is_vlm(trainer):
-        check_vlm_anchors(args)
+        check_vlm_anchors(args, environments=getattr(trainer, "environment_factories", None) is not None)
     if is_peft_model(trainer.model) and trainer.use_vllm and args.use_anchors:
         # TRL's vLLM weight sync maps "modules_to_save.default." and the trainable-token delta of the *trained*
         # adapter onto the base names, so with the "ref" adapter active it would push the policy's copy of them.
@@ -120,8 +120,9 @@ def check_built(trainer) -> None:
             )
 
 
-def check_vlm_anchors(args) -> None:
-    """Anchors for a vision-language model: the transformers generation path, anchors not cached by prompt ids."""
+def check_vlm_anchors(args, environments: bool = False) -> None:
+    """Anchors for a vision-language model: the transformers generation path, anchors not cached by prompt ids, no
+    environment_factory."""
     if args.use_vllm:
         raise ValueError(
             "use_anchors=True with a vision-language model needs use_vllm=False: ARMOR generates each anchor candidate "
@@ -133,6 +134,15 @@ def check_vlm_anchors(args) -> None:
             "anchor_cache=True with a vision-language model: the cache keys a prompt by its token ids, which do not "
             "tell two images apart (same text, same image size), so a cached anchor could answer another image. Set "
             "anchor_cache=False, or use anchor_source='column'."
+        )
+    if environments:
+        # TRL tokenizes each prompt apart there and hands the image fields over per prompt, as lists; ARMOR's per-row
+        # image store (rollout/multimodal.py) cuts the round's tensors and does not read those lists
+        raise ValueError(
+            "use_anchors=True with environment_factory and a vision-language model: with environments TRL hands each "
+            "prompt's image fields over apart, which ARMOR's per-row image store for the anchor candidates does not "
+            "read yet. What works: tools=[...] on the vision-language model (tool images included), "
+            "environment_factory on a text model, or use_anchors=False (the mixed ratio only)."
         )
 
 
