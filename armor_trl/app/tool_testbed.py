@@ -15,10 +15,10 @@ The tools a recipe may name (``tools: [add]``) are :data:`TOOLS`; :func:`resolve
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
-import sys
+
+from armor_trl.rewards.functions import import_callable
 
 
 def add(a: int, b: int) -> int:
@@ -49,16 +49,7 @@ def resolve_tools(names) -> list:
         if ":" not in name:
             raise ValueError(f"Unknown tool {name!r}: expected one of {sorted(TOOLS)} or an import path "
                              "'pkg.module:function'.")
-        module_name, attr = name.split(":", 1)
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            function = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"Could not load tool {name!r}: {error}") from error
-        if not callable(function):
-            raise ValueError(f"Tool {name!r} is not callable.")
-        tools.append(function)
+        tools.append(import_callable(name, *name.split(":", 1), "tool"))
     return tools
 
 

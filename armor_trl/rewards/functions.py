@@ -231,14 +231,20 @@ def resolve_reward(name: str) -> RewardFunc:
                              "trl.rewards (accuracy_reward, reasoning_accuracy_reward, think_format_reward) or an "
                              "import path 'pkg.module:function'.")
         return function
+    return import_callable(name, module_name, attr, "reward function")
+
+
+def import_callable(name: str, module_name: str, attr: str, what: str):
+    """``attr`` of ``module_name`` (the import path ``name`` a user wrote), which must be callable; the working directory
+    is importable, as for a script beside a recipe; ``what`` names it in the errors."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         function = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as error:
-        raise ValueError(f"Could not load reward function {name!r}: {error}") from error
+        raise ValueError(f"Could not load {what} {name!r}: {error}") from error
     if not callable(function):
-        raise ValueError(f"Reward function {name!r} is not callable.")
+        raise ValueError(f"{what[0].upper()}{what[1:]} {name!r} is not callable.")
     return function
 
 
