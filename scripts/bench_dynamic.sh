@@ -6,7 +6,8 @@
 #
 #   scripts/bench_dynamic.sh            # transformers generation: `make bench` (about 6-8 minutes on 2 quiet cores)
 #   scripts/bench_dynamic.sh --vllm     # TRL's colocated vLLM engine on the CPU: `make bench-vllm` (needs .venv-vllm;
-#                                       # about 20-30 minutes: every run starts a compiled engine)
+#                                       # about 35-45 minutes a share: every run starts a compiled engine). At share
+#                                       # 0.5 `make bench-dynamic-vllm` measures its table (6 variants) and writes it
 #   SHARES="0.3 0.5" scripts/bench_dynamic.sh --regime-reps 2   # further arguments go to the bench
 #
 # Run it on a quiet machine: the bench repeats a run when the load average exceeds the CPU count.

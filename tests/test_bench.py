@@ -192,6 +192,97 @@ def test_the_floor_prices_what_armor_requires_at_the_runs_costs_per_row():
     assert judged["armor_dynamic_eligible measured / floor at M=16 <= 1.05"] is True  # 0.40 s against 0.442 s
 
 
+def _tool_entry(step, policy_gen=0.0, policy_tools=0.0, policy_rows=0, ref_fwd=0.0, logp_rows=0, candidates=None,
+                anchor_gen=0.0, anchor_tools=0.0, anchor_calls=None):
+    entry = _regime_entry(step, policy_gen, policy_rows, ref_fwd, logp_rows, candidates)
+    entry["split_s"].update(policy_tools=policy_tools, anchor_gen=anchor_gen, anchor_tools=anchor_tools)
+    entry["work"]["anchor_calls"] = anchor_calls
+    return entry
+
+
+def test_the_tool_loops_floor_prices_candidate_trajectories_over_all_their_turns():
+    from benchmarks import floor
+
+    bench = config.load()
+    assert bench.tool_floor == {"variants": {"armor_tools": "grpo_tools_b004"}, "logp_price": "grpo_tools_b004"}
+    summary = {
+        # GRPO with tools: 32 trajectories per step, 0.20 s first turns + 0.12 s later turns: 10 ms per trajectory
+        "grpo_tools_b004": {m: _tool_entry(0.90, policy_gen=0.20, policy_tools=0.12, policy_rows=32, ref_fwd=0.064,
+                                           logp_rows=32) for m in ("1", "16")},
+        # 16 candidate trajectories per step at 18 ms each, measured (their calls' fixed cost among it)
+        "armor_tools": {m: _tool_entry(1.30, policy_rows=28, candidates=16.0, anchor_gen=0.16, anchor_tools=0.128,
+                                       anchor_calls=2.0) for m in ("1", "16")},
+        "armor_dynamic_eligible": {"16": _regime_entry(0.40, candidates=20.0)},  # no loop base here: no floor
+    }
+    floor.add(summary, [], bench, g=8, train_rows=32)
+    entry = summary["armor_tools"]["1"]["floor"]
+    assert entry["kind"] == "tools" and entry["base"] == "grpo_tools_b004"
+    assert entry["gen_s_per_row"] == pytest.approx(0.01) and entry["candidate_s_per_row"] == pytest.approx(0.018)
+    # 0.90 + 10 ms × (16 candidate trajectories − 4 anchor slots, one per group of 8) + no π_ref pass (β 0.04 base)
+    assert entry["credited_rows"] == 4 and entry["ref_rows"] == 0 and entry["gate_dropped_groups"] == 0
+    assert entry["floor_s"] == pytest.approx(0.90 + 0.01 * (16 - 4))
+    assert entry["measured_over_floor"] == pytest.approx(1.30 / 1.02)
+    assert "floor" not in summary["armor_dynamic_eligible"]["16"] and "floor" not in summary["grpo_tools_b004"]["1"]
+    lines = floor.table(summary)
+    assert any("against its floor" in line and "tool loop" in line for line in lines)
+    assert "| armor_tools | 1 | grpo_tools_b004 | 1.300 | 1.44 | 1.020 | 1.27 | 16.0 | 2.00 | 0.00 | 4.0 | " \
+           "28.0 / 32.0 | 10.00 | 18.00 | 2.00 × 0 |" in lines
+    from benchmarks import regime
+
+    judged = {t["target"]: t["met"] for t in regime.check_targets(summary, bench)}
+    assert judged["armor_tools measured / floor at M=1 <= 1.15"] is False  # 1.27: the candidates' calls cost more
+    assert judged["armor_tools measured / floor at M=16 <= 1.05"] is False
+    # the model itself: π_ref's pass is added only where the base runs at β = 0, the gate's groups at G − slots rows
+    assert floor.floor_s(1.0, 0.01, 0.002, 16, 2, 8, 1, 32, 4) == pytest.approx(1.0 + 0.01 * (16 + 14 - 4) + 0.064)
+
+
+def test_the_further_bench_tables_are_configured_and_rendered_with_their_floor(tmp_path):
+    from benchmarks import table
+
+    bench = config.load()
+    assert set(bench.tables) == {"tools", "dynamic_vllm"}
+    vllm = bench.tables["dynamic_vllm"]
+    assert {row["variant"] for row in vllm["rows"]} == {"grpo_b004", "armor_full", "grpo_dynamic",
+                                                        "armor_dynamic_eligible", "armor_dynamic_deferred",
+                                                        "armor_dynamic_lazy"}
+    assert "--vllm" in vllm["arguments"] and "--mini-batches 1,16" in vllm["arguments"]
+    assert "--regime-reps 3" in vllm["arguments"] and "--mixed-share 0.5" in vllm["arguments"]
+    arguments = table.bench_arguments(bench, Path("out"), "dynamic_vllm")
+    assert arguments[:2] == ["--configs", "grpo_b004,armor_full,grpo_dynamic,armor_dynamic_eligible,"
+                                          "armor_dynamic_deferred,armor_dynamic_lazy"]
+    spec = table.spec_of(bench, "tools")
+    assert spec.make == "bench-tools" and spec.start == "<!-- bench-table-tools:start -->"
+    assert spec.pages == (Path("docs") / "performance.md",)
+    result = {"meta": {"commit": "abc1234", "cpu_model": "Test CPU", "cpus": 2, "time": "2026-12-06 10:00:00",
+                       "hidden": 128, "layers": 3, "g": 8, "k": 4, "mixed_share": None, "wall_s": 540.0,
+                       "mode": "full"},
+              "regime": {"meta": {"mini_batches": [1, 16], "reps": 3, "batch": 32},
+                         "runs": [{"load": [0.5, 0.8]}], "summary": {
+                             "grpo_tools_b004": {m: {"cost_per_step_s": {"median": 0.95}} for m in ("1", "16")},
+                             "armor_tools": {m: {"cost_per_step_s": {"median": 1.3},
+                                                 "vs_grpo_tools_b004": {"step": 1.37,
+                                                                        "step_paired": {"min": 1.3, "max": 1.4}},
+                                                 "floor": {"kind": "tools", "measured_over_floor": 1.12}}
+                                             for m in ("1", "16")}}}}
+    block = table.render(result, bench, "tools")
+    assert block.startswith(spec.generated) and "Measured by `make bench-tools` at commit abc1234" in block
+    assert "(`armor_tools`) | `grpo_tools_b004` | 1.37× (1.30–1.40) | 1.37× (1.30–1.40) |" in block
+    assert "ARMOR on TRL's tool loop against its floor" in block and "| `armor_tools` | 1.12 | 1.12 |" in block
+    assert "DAPO's loop against its floor" not in block
+    # written into its own file and region, the other tables' regions untouched
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "bench.json").write_text(json.dumps(result))
+    (tmp_path / "docs").mkdir()
+    page = f"# Page\n{table.START}\nmain\n{table.END}\n{spec.start}\nold\n{spec.end}\nafter\n"
+    (tmp_path / "docs" / "performance.md").write_text(page)
+    table.write(tmp_path / "results" / "bench.json", tmp_path, "tools")
+    text = (tmp_path / "docs" / "performance.md").read_text()
+    assert table.region(text, spec) == block == (tmp_path / spec.file).read_text().strip()
+    assert table.region(text) == "main" and text.endswith("after\n")
+    with pytest.raises(ValueError, match="no bench table 'nope'"):
+        table.spec_of(bench, "nope")
+
+
 def test_the_bench_table_is_rendered_from_a_run_and_copied_between_the_markers(tmp_path):
     from benchmarks import table
 
@@ -220,14 +311,14 @@ def test_the_bench_table_is_rendered_from_a_run_and_copied_between_the_markers(t
         (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / page).write_text(f"# Page\n\nbefore\n{table.START}\nold\n{table.END}\nafter\n")
     (tmp_path / table.TABLE_FILE).write_text(block + "\n")
-    table.sync(tmp_path)
+    table.sync(tmp_path, table.MAIN_SPEC)
     for page in table.PAGES:
         text = (tmp_path / page).read_text()
         assert table.region(text) == block and text.startswith("# Page\n\nbefore\n") and text.endswith("after\n")
     (tmp_path / "README.md").write_text("# no region\n")
     (tmp_path / table.TABLE_FILE).write_text("new\n")
     with pytest.raises(ValueError, match="README.md has no bench-table region: add the line <!-- bench-table:start"):
-        table.sync(tmp_path)
+        table.sync(tmp_path, table.MAIN_SPEC)
     assert table.region((tmp_path / "docs" / "performance.md").read_text()) == block  # untouched
 
 

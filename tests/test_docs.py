@@ -273,6 +273,24 @@ def test_the_pages_quote_the_bench_table_the_bench_wrote():
         assert f"{ratio}× ({low}–{high})" in written, f"the README quotes {ratio}× ({low}–{high}), not in the bench table"
 
 
+def test_the_performance_page_quotes_every_further_bench_table_the_bench_wrote():
+    """Each of bench.yaml's bench_tables (the tool loop's, DAPO's loop on vLLM) is its file as `make <target>` wrote it
+    (a measured run, or the statement that none was measured on the current code), held unchanged in its pages."""
+    table = _bench_table()
+    from benchmarks import config
+
+    bench = config.load()
+    assert set(bench.tables) >= {"tools", "dynamic_vllm"}
+    for name in bench.tables:
+        spec = table.spec_of(bench, name)
+        written = (REPO / spec.file).read_text().strip()
+        assert written.startswith(spec.generated), spec.file
+        measured = re.search(rf"Measured by `make {spec.make}` at commit (\w+) on (.+?) \((\d+) CPUs\)", written)
+        assert measured or written == spec.not_measured, f"{spec.file} is neither a measured table nor the note"
+        for page in spec.pages:
+            assert table.region((REPO / page).read_text(), spec) == written, (page, name)
+
+
 def _names_the_docs_show() -> dict[str, set[str]]:
     """{page: the dotted armor_trl names and import lines it shows} over the README, docs/ and the notebook."""
     pages = [*PAGES, *sorted((REPO / "docs").glob("*/*.md")), *sorted((REPO / "notebooks").glob("*.ipynb"))]
