@@ -120,8 +120,8 @@ def test_tool_anchors_combine(setting, tool_model, tool_tokenizer, tmp_path, mon
     batches = capture_rounds(trainer)
     trainer.train()
     assert any(is_reference and any("\nt:" in text for text in texts) for is_reference, texts in fake.calls)
-    # anchor_deferred (on by default) draws a tool round's candidates in their round: their trajectories run with the
-    # round's prompts and environments
+    # every on-policy row fails: an unsolved group is kept only with an anchor (keep_unsolved), so it draws in its
+    # round (deferred tool candidates: tests/test_tool_deferred.py)
     assert trainer.anchor_rollout.counts["deferred_calls"] == 0
     for batch in batches:
         rows = anchor_rows(batch)

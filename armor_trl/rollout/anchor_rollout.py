@@ -141,6 +141,11 @@ class AnchorRollout:
         None where no process had any to draw."""
         return place_deferred(self, batch, group_inputs, kept)
 
+    def deferred_row_fields(self, completion_ids: list, width: int, device) -> dict:
+        """Per-row batch fields of anchors drawn after the refill loop beyond the completion's own (none here; with
+        tools their ``tool_mask``), each ``width`` wide."""
+        return {}
+
     def _same_call(self, generate_policy, group_prompt_ids: list, per_group: int):
         """One policy call with ``per_group`` on-policy rows and K candidate rows per group: the on-policy ids (and
         vLLM log-probs) in row order, and {group: its K candidates}. All rows of a group are i.i.d. samples of the

@@ -10,7 +10,10 @@ leaves the group's anchor slots empty (fillers, out of the loss, as for a group 
 :func:`place_deferred` draws the candidates of the batch's deferred groups in one call (one swap; with
 ``anchor_sampling="lazy"``, one set of waves). Groups whose keep decision depends on their anchor (the authors' gate,
 ``anchor_filter="drop"``; the all-equal unsolved groups ``dynamic_sampling_keep_unsolved`` keeps only with an anchor)
-still draw in their round: the loop must know whether they train.
+still draw in their round: the loop must know whether they train. With tools or ``environment_factory`` a deferred
+group's candidates are whole trajectories through TRL's loop, from the group's chat prompt of its round, each in an
+environment of its own reset with the group's row (:class:`~armor_trl.rollout.tool_anchors.ToolAnchorRollout`); the
+anchor row takes its trajectory's ``tool_mask``.
 
 What trains is what the in-round path trains: the same groups (their keep decision never reads the anchor), each
 anchor drawn from the same π_ref (no optimizer step or reset happens within a rollout batch) with the same selection,
@@ -65,7 +68,11 @@ def place_deferred(rollout, batch: dict, group_inputs: list[dict], kept: int):
         ids.append(anchor_ids[g * slots + slot])
         scores.append(anchors.rewards_per_func[g * slots + slot])
     if rows:
-        put_rows(batch, rows, anchor_rows(trainer, batch, ids, torch.stack(scores)), seam.pad_token_id(trainer))
+        values = anchor_rows(trainer, batch, ids, torch.stack(scores))
+        # per-row fields of the rollout's own (with tools: each trajectory's tool_mask)
+        extra = rollout.deferred_row_fields(ids, values["completion_ids"].size(1), values["completion_ids"].device)
+        values.update({key: value for key, value in extra.items() if key in batch})
+        put_rows(batch, rows, values, seam.pad_token_id(trainer))
     return anchors, rows
 
 

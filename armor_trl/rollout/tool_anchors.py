@@ -139,6 +139,9 @@ class ToolAnchorRollout(AnchorRollout):
         self.environment_pool: dict = {}  # {environment name: instances} for π_ref's candidates only
         self._handed_out: dict = {}  # {environment name: instances handed out this round}
         self._group_prompts: dict = {}  # this round: id() of a group's (first) row -> its chat prompt (after reset)
+        # this rollout batch's rounds, where candidates wait for the refill loop (anchor_deferred): id() of each
+        # group's first row -> (the row, its chat prompt after reset), for the draw after the loop
+        self._batch_groups: dict = {}
         # the cache's trajectories (tools without environments): completion ids -> (tool_mask, messages, calls,
         # failures); a cached anchor keeps the tool_mask of the loop that made it (checkpointed with the cache)
         self.kept: dict[tuple, tuple] = {}
@@ -181,6 +184,8 @@ class ToolAnchorRollout(AnchorRollout):
             return [t.completion_ids for t in trajectories], merged
 
         completion_ids, logprobs, anchors = super().generate(policy_trajectories, prompt_ids, group_size, inputs)
+        if self.defers_candidates():  # groups that may draw after the refill loop: their candidates start from here
+            self._batch_groups.update({id(inputs[i]): (inputs[i], prompts[i]) for i in range(0, rows, group_size)})
         trajectories = [self.trajectory(ids, prompt_ids[i], prompts[i], round_rows[i])
                         for i, ids in enumerate(completion_ids)]
         trainer.tool_round.trajectories = trajectories
@@ -229,8 +234,25 @@ class ToolAnchorRollout(AnchorRollout):
         cached = {tuple(ids) for ids in self.cache.completions()}
         self.kept = {key: value for key, value in self.kept.items() if key in cached}
 
-    def defers_candidates(self) -> bool:
-        return False  # a candidate's trajectory runs with its round's prompts and environments
+    def deferred_anchors(self, batch: dict, group_inputs: list[dict], kept: int):
+        """As AnchorRollout's, the candidates' trajectories running after the refill loop: each from its group's chat
+        prompt (after its round's reset), in environments of its own from the candidates' pool, reset with the group's
+        row; each anchor placed with its own ``tool_mask``. Collective: every process calls it, once per batch."""
+        groups, self._batch_groups = self._batch_groups, {}
+        # every group of the batch (a process's padding draws repeat one of them) with its round's chat prompt
+        self._group_prompts = {key: prompt for key, (_, prompt) in groups.items()}
+        self.trajectories, self._alive, self._handed_out = {}, [], {}
+        return super().deferred_anchors(batch, group_inputs, kept)
+
+    def deferred_row_fields(self, completion_ids: list, width: int, device) -> dict:
+        """The anchor rows' ``tool_mask`` (right-padded with 1, as TRL pads it, to ``width``): each from the loop that
+        made the trajectory (or the cache's stored one)."""
+        masks = []
+        for ids in completion_ids:
+            found = self.trajectories.get(id(ids))
+            mask = found.tool_mask if found is not None else (self.kept.get(tuple(ids)) or ([1] * len(ids),))[0]
+            masks.append(list(mask) + [1] * (width - len(mask)))
+        return {"tool_mask": torch.tensor(masks, dtype=torch.long, device=device)}
 
     # --- running trajectories ----------------------------------------------------------------------------------
     def _run(self, prompts: list, prompt_ids: list, first_ids: list, logprobs, rows: list) -> list[Trajectory]:
