@@ -53,3 +53,25 @@ def test_refill_under_ddp_and_resume(tiny_model_path, tmp_path, anchor_filter):
     assert resumed[0]["refill_drawn"] == straight[0]["refill_drawn"]
     assert resumed[0]["params"] == straight[0]["params"]
     assert resumed[0]["checksum"] == straight[0]["checksum"]
+
+
+def test_deferred_tool_candidates_under_ddp_and_resume(tool_model, tmp_path):
+    """TRL's tool loop, anchor_filter="keep": the candidates' trajectories of the groups that train run after the refill
+    loop, a collective call every process makes as often with as many rows; a resumed run continues exactly."""
+    straight = launch(tool_model, tmp_path / "straight", "--anchor-filter", "keep", "--tools")
+    assert all(rank["anchor_counts"].get("deferred_groups", 0) for rank in straight)
+    assert all(rank["anchor_counts"].get("eligible_groups", 0) == 0 for rank in straight)  # nothing drew in a round
+    calls = [rank["anchor_counts"].get("deferred_calls", 0) for rank in straight]
+    rows = [rank["anchor_counts"].get("candidate_rows", 0) for rank in straight]
+    assert calls[0] == calls[1] == 4 and rows[0] == rows[1] > 0
+    assert [len(p) for p in straight[0]["round_prompts"]] == [len(p) for p in straight[1]["round_prompts"]]
+    assert straight[0]["checksum"] == straight[1]["checksum"]
+    anchors = [e["armor/anchor_tool_call_frequency"] for e in straight[0]["log_history"]
+               if "armor/anchor_tool_call_frequency" in e]
+    assert not anchors or all(v != v for v in anchors)  # NaN: no anchor stands in a round's slot, all come after
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "straight" / "trainer" / "checkpoint-2", cut / "trainer" / "checkpoint-2")
+    resumed = launch(tool_model, cut, "--resume", "--anchor-filter", "keep", "--tools")
+    assert resumed[0]["refill_drawn"] == straight[0]["refill_drawn"]
+    assert resumed[0]["params"] == straight[0]["params"]
+    assert resumed[0]["checksum"] == straight[0]["checksum"]

@@ -2,7 +2,7 @@
 sampling with ``anchor_filter="keep"`` a group the loop will not keep runs no multi-turn candidate; the groups that
 train draw their candidates' whole trajectories once per rollout batch, after the refill loop.
 
-A deterministic fake at the model (testing.ToolFake's, the draws counted): the policy answers at once, all right
+A deterministic fake at the model (testing.DrawToolFake): the policy answers at once, all right
 (n % 3 == 0), all wrong (n % 3 == 1) or mixed (n % 3 == 2: its j-th row of a round right iff j is even); π_ref's j-th
 draw of a prompt (in a round, or after the loop) calls the tool and answers with its result iff j >= n % 4, else
 answers "5" at once. So the kept groups, their anchors (trajectories with a masked tool result) and the loss of the
@@ -12,43 +12,14 @@ token.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
-from testing import (ToolFake, build_tool_trainer, capture_rounds, chat_numbers, kept_rows, last_tool_result, logged,
-                     tool_call, trainable_state)
+from testing import DrawToolFake, build_tool_trainer, capture_rounds, chat_numbers, kept_rows, logged, trainable_state
 
 K = 3
 GATES = ("armor/groups_kept_frac", "armor/dropped_all_correct_frac", "armor/dropped_all_wrong_frac",
          "armor/generation_rounds", "armor/batch_short_groups")
-
-
-class DrawFake(ToolFake):
-    def __init__(self, tokenizer, trainer, tool="multiply"):
-        super().__init__(tokenizer, trainer, tool)
-        self.tool, self.drawn = tool, {}
-
-    def start_round(self):
-        self.drawn = {}
-
-    def start_deferred_draw(self):
-        self.drawn = {key: j for key, j in self.drawn.items() if not key[0]}
-
-    def text(self, reference: bool, prompt_text: str) -> str:
-        result = last_tool_result(prompt_text)
-        if result is not None:  # a candidate's turn after its tool result: answer with it
-            return f"{result}</s>"
-        n = int(re.search(r"u:(\d+)\*", prompt_text).group(1))
-        key = (reference, prompt_text)
-        j = self.drawn.get(key, 0)
-        self.drawn[key] = j + 1
-        if reference:
-            if j < n % 4:
-                return "5</s>"
-            return tool_call(self.tool, a=n, b=3) if self.tool == "multiply" else tool_call(self.tool, step=3 * n)
-        return f"{3 * n}</s>" if n % 3 == 0 or (n % 3 == 2 and j % 2 == 0) else "7</s>"
 
 
 def run(tool_model, tool_tokenizer, tmp_path, monkeypatch, numbers=range(40), environment=None, stop=None,
@@ -60,11 +31,8 @@ def run(tool_model, tool_tokenizer, tmp_path, monkeypatch, numbers=range(40), en
     if environment is not None:
         settings.update(tools=(), environment_factory=environment)
     trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(numbers), **settings)
-    fake = DrawFake(tool_tokenizer, trainer, "increment" if environment is not None else "multiply").install(monkeypatch)
-    rollout = trainer.anchor_rollout
-    generate, deferred = rollout.generate, rollout.deferred_anchors
-    rollout.generate = lambda *args: fake.start_round() or generate(*args)
-    rollout.deferred_anchors = lambda *args: fake.start_deferred_draw() or deferred(*args)
+    fake = DrawToolFake(tool_tokenizer, trainer, "increment" if environment is not None else "multiply")
+    fake.install(monkeypatch).hook(trainer)
     if stop is not None:
         trainer.add_callback(StopAt(stop))
     batches = capture_rounds(trainer)

@@ -357,6 +357,46 @@ class ToolFake:
         return self
 
 
+class DrawToolFake(ToolFake):
+    """ToolFake with draws counted per prompt (``start_round`` and ``start_deferred_draw`` restart the counts): the
+    policy answers at once, all right (n % 3 == 0), all wrong (n % 3 == 1) or mixed (n % 3 == 2: its j-th row of a
+    round right iff j is even); π_ref's j-th draw of a prompt calls ``tool`` (``multiply(n, 3)``, or
+    ``increment(3n)``) and then answers with its result iff j >= n % 4, else answers "5" at once."""
+
+    def __init__(self, tokenizer, trainer, tool="multiply"):
+        super().__init__(tokenizer, trainer, tool)
+        self.tool, self.drawn = tool, {}
+
+    def start_round(self):
+        self.drawn = {}
+
+    def start_deferred_draw(self):
+        """π_ref's draws after the refill loop count from 0 for each group, as in the round it came from."""
+        self.drawn = {key: j for key, j in self.drawn.items() if not key[0]}
+
+    def text(self, reference: bool, prompt_text: str) -> str:
+        result = last_tool_result(prompt_text)
+        if result is not None:  # a candidate's turn after its tool result: answer with it
+            return f"{result}</s>"
+        n = int(re.search(r"u:(\d+)\*", prompt_text).group(1))
+        key = (reference, prompt_text)
+        j = self.drawn.get(key, 0)
+        self.drawn[key] = j + 1
+        if reference:
+            if j < n % 4:
+                return "5</s>"
+            return tool_call(self.tool, a=n, b=3) if self.tool == "multiply" else tool_call(self.tool, step=3 * n)
+        return f"{3 * n}</s>" if n % 3 == 0 or (n % 3 == 2 and j % 2 == 0) else "7</s>"
+
+    def hook(self, trainer) -> "DrawToolFake":
+        """Restart the counts at each round and at the draw after the refill loop."""
+        rollout = trainer.anchor_rollout
+        generate, deferred = rollout.generate, rollout.deferred_anchors
+        rollout.generate = lambda *args: self.start_round() or generate(*args)
+        rollout.deferred_anchors = lambda *args: self.start_deferred_draw() or deferred(*args)
+        return self
+
+
 def build_tool_trainer(tool_model, tool_tokenizer, tmp_path, dataset, tools=(multiply,), environment_factory=None,
                        reward_funcs=answer_reward, peft_config=None, **overrides):
     """An ArmorGRPOTrainer on the tiny tool model: 2 groups of G rows per round, K = 2 candidates, 2 steps."""

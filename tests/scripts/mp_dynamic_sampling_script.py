@@ -21,7 +21,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
-from testing import scripted  # noqa: E402
+from testing import DrawToolFake, answer_reward, chat_numbers, multiply, scripted  # noqa: E402
 
 
 class Recording(ArmorGRPOTrainer):
@@ -47,18 +47,32 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--anchor-filter", default="drop")  # keep: mixed groups draw their anchors after the loop
+    # TRL's tool loop on the tiny tool model (--model), generation faked at the model (testing.DrawToolFake): mixed
+    # groups; π_ref's candidates call multiply and answer with its result
+    parser.add_argument("--tools", action="store_true")
     cli = parser.parse_args()
     args = ArmorConfig(
         output_dir=os.path.join(cli.out, "trainer"), per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=8, max_steps=4, learning_rate=1e-2, use_cpu=True, ddp_backend="gloo", bf16=False,
+        max_completion_length=96 if cli.tools else 8, max_steps=4, learning_rate=1e-2, use_cpu=True, ddp_backend="gloo", bf16=False,
         gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="steps", save_steps=2,
         seed=42, disable_tqdm=True, dynamic_sampling=True, anchor_num_samples=2, anchor_filter=cli.anchor_filter,
+        **({"anchor_same_call": False} if cli.tools else {}),
     )
     dataset = Dataset.from_dict({"prompt": [f"{n}+{n + 1}=" for n in range(30)], "answer": [str(2 * n + 1) for n in range(30)]})
+    if cli.tools:
+        dataset = chat_numbers(range(30))
+    tokenizer = AutoTokenizer.from_pretrained(cli.model)
     trainer = Recording(
-        model=cli.model, reward_funcs=scripted, args=args, train_dataset=dataset,
-        processing_class=AutoTokenizer.from_pretrained(cli.model),
+        model=cli.model, reward_funcs=answer_reward if cli.tools else scripted, args=args, train_dataset=dataset,
+        processing_class=tokenizer, tools=[multiply] if cli.tools else None,
     )
+    if cli.tools:
+        from transformers import LlamaForCausalLM
+
+        class Patch:  # what DrawToolFake.install needs of pytest's monkeypatch
+            setattr = staticmethod(setattr)
+
+        DrawToolFake(tokenizer, trainer).install(Patch(), LlamaForCausalLM).hook(trainer)
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     policy = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     result = {
