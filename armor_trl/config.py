@@ -222,6 +222,18 @@ class ArmorConfig(GRPOConfig):
             "uses, and sometimes one more, smaller, round."
         },
     )
+    dynamic_sampling_refill_max_groups: int | None = field(
+        default=None,
+        metadata={
+            "help": "With `dynamic_sampling_refill='missing'`: the most groups per process a refill round may generate, "
+            "where that is more than a generation batch (None: a generation batch). A small generation batch (one or "
+            "a few optimizer steps per rollout batch) whose rounds keep a small share of their groups otherwise needs "
+            "several capped refill rounds, each a generate call for the policy and, under the gate, one for π_ref's "
+            "candidates, whose fixed cost dominates there; sized to what is missing in one round, it needs fewer. "
+            "What trains is the same (the first kept groups of the same prompt stream); a round holds up to this many "
+            "groups × num_generations rows in one generate call."
+        },
+    )
     advantage_quantile: float | None = field(
         default=None,
         metadata={
@@ -578,6 +590,9 @@ class ArmorConfig(GRPOConfig):
         if self.dynamic_sampling_refill not in REFILL_SIZES:
             raise ValueError(f"dynamic_sampling_refill must be one of {list(REFILL_SIZES)}, got "
                              f"{self.dynamic_sampling_refill!r}.")
+        if self.dynamic_sampling_refill_max_groups is not None and self.dynamic_sampling_refill_max_groups < 1:
+            raise ValueError("dynamic_sampling_refill_max_groups must be a positive number of groups (or None: a "
+                             f"generation batch), got {self.dynamic_sampling_refill_max_groups}.")
         if self.advantage_quantile is not None and not 0.0 <= self.advantage_quantile <= 1.0:
             raise ValueError(f"advantage_quantile must lie in [0, 1] (or be None for the mean), got {self.advantage_quantile}.")
         if self.advantage_quantile_interpolation not in QUANTILE_INTERPOLATIONS:

@@ -22,15 +22,16 @@ BENCH = [sys.executable, "-m", "benchmarks"]
 CONFIGS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_cache_failures", "grpo_b004_lora", "armor_lora",
     "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible", "armor_dynamic_lazy", "armor_dynamic_keep",
-    "armor_dynamic_deferred", "grpo_dynamic_batch", "armor_dynamic_deferred_batch", "armor_dynamic_deferred_lazy",
-    "armor_lazy", "armor_same_call", "armor_same_call_lora",
+    "armor_dynamic_deferred", "grpo_dynamic_batch", "armor_dynamic_deferred_batch", "grpo_dynamic_wide",
+    "armor_dynamic_eligible_wide", "armor_dynamic_deferred_lazy", "armor_lazy", "armor_same_call", "armor_same_call_lora",
     "armor_column", "armor_column_lora", "grpo_tools_b004", "armor_tools",
 ]
 REGIME_VARIANTS = [
     "grpo_b0", "grpo_b004", "armor_full", "armor_cache", "armor_column", "armor_same_call", "grpo_b004_lora", "armor_lora",
     "armor_column_lora", "armor_same_call_lora", "armor_lazy", "grpo_dynamic", "armor_dynamic", "armor_dynamic_eligible",
     "armor_dynamic_lazy", "armor_dynamic_keep", "armor_dynamic_deferred", "armor_dynamic_deferred_lazy",
-    "grpo_dynamic_batch", "armor_dynamic_deferred_batch", "grpo_tools_b004", "armor_tools",
+    "grpo_dynamic_batch", "armor_dynamic_deferred_batch", "grpo_dynamic_wide", "armor_dynamic_eligible_wide",
+    "grpo_tools_b004", "armor_tools",
 ]
 ANCHOR_WORK = ["candidate_rows_per_step", "candidates_scored_per_step", "anchors_per_step", "candidate_rows_per_anchor",
                "eligible_share", "deferred_groups_per_step", "mixed_share"]
@@ -451,6 +452,12 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
             assert f"| {name} | {m} |" in table.split("against its floor")[1]
         assert regime["summary"][name]["16"]["vs_grpo_dynamic"]["step"] > 0
     assert all("floor" not in regime["summary"][name][m] for name in ("armor_full", "grpo_dynamic") for m in ("1", "16"))
+    # ARMOR on TRL's tool loop against its floor (the base: GRPO with the same tools), at every M
+    for m in ("1", "4", "16"):
+        fl = regime["summary"]["armor_tools"][m]["floor"]
+        assert fl["kind"] == "tools" and fl["base"] == "grpo_tools_b004" and fl["measured_over_floor"] > 0, m
+        assert fl["credited_rows"] == 16 // 8 and fl["ref_rows"] == 0 and fl["candidate_s_per_row"] > 0, m
+        assert f"| armor_tools | {m} | grpo_tools_b004 |" in table.split("tool loop against its floor")[1]
 
     # the tables can be rendered again from the saved raw runs, without training
     again = subprocess.run(

@@ -228,6 +228,11 @@ def test_a_refill_round_generates_the_missing_groups_over_the_keep_rate_seen():
     assert refill_groups(missing=40, generated=64, kept=10, batch_groups=64, whole_batch=False) == 64  # at most a batch
     assert refill_groups(missing=3, generated=64, kept=0, batch_groups=64, whole_batch=False) == 64  # no rate yet
     assert refill_groups(missing=2, generated=64, kept=30, batch_groups=64, whole_batch=True) == 64  # the last round
+    # dynamic_sampling_refill_max_groups: beyond a small generation batch, up to what is missing over the keep rate
+    assert refill_groups(missing=7, generated=8, kept=1, batch_groups=8, whole_batch=False, most=64) == 56
+    assert refill_groups(missing=7, generated=8, kept=1, batch_groups=8, whole_batch=False, most=32) == 32
+    assert refill_groups(missing=7, generated=8, kept=1, batch_groups=64, whole_batch=False, most=32) == 56
+    assert refill_groups(missing=7, generated=8, kept=1, batch_groups=8, whole_batch=True, most=64) == 8
 
 
 class StreamGenerator:
@@ -237,13 +242,15 @@ class StreamGenerator:
     is generated alike in whatever round, of whatever size, it falls."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.rows = tokenizer, 0
+        self.tokenizer, self.rows, self.calls, self.reference_calls = tokenizer, 0, 0, 0
         self.digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
         self.letters = tokenizer.convert_tokens_to_ids(list("abcxyz"))
 
     def __call__(self, trainer, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         reference = trainer.reference is not None and trainer.model_wrapped is trainer.reference.model
         self.rows += 0 if reference else len(prompt_ids)
+        self.calls += not reference
+        self.reference_calls += reference
         seen, out = {}, []
         for ids in prompt_ids:
             n = int(self.tokenizer.decode(ids, skip_special_tokens=True).split("+")[0])
@@ -255,16 +262,18 @@ class StreamGenerator:
 
 
 STREAM_NUMBERS = [n for n in range(90) if n % 3 == 2 or n % 6 == 0]
+# few mixed groups: one prompt in nine or so (n % 3 == 2 and n % 4 == 0), the others settled all right or all wrong
+SPARSE_NUMBERS = [n for n in range(300) if n % 3 != 2 or n % 4 == 0][:180]
 
 
-def stream_run(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, **fields):
+def stream_run(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, numbers=STREAM_NUMBERS, **fields):
     """Three rollout batches of 8 groups on the stream generator, over prompts two thirds of which are mixed: the
     trainer, each batch with the prompts of its rounds and where its refill stream began, and the generator."""
     from trl import GRPOTrainer
 
     fake = StreamGenerator(tiny_tokenizer)
     monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", lambda trainer, *args, **kw: fake(trainer, *args, **kw))
-    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(STREAM_NUMBERS), tmp_path,
+    trainer = make_trainer(tiny_model_path, tiny_tokenizer, numbers_dataset(numbers), tmp_path,
                            per_device_train_batch_size=32, max_steps=3, dynamic_sampling=True, anchor_same_call=False,
                            anchor_num_samples=4, **fields)
     rounds, batches = capture_batches(trainer)
@@ -320,6 +329,41 @@ def test_refill_rounds_of_what_is_missing_train_what_whole_rounds_train(tiny_mod
     assert any(len(r) < 32 for rounds, _, _ in sized_batches for r in rounds[1:])
     assert all(len(r) == 32 for rounds, _, _ in whole_batches for r in rounds)
     assert sized_fake.rows < whole_fake.rows
+
+
+@pytest.mark.parametrize("fields, kept", [
+    (PLAIN, lambda n: n % 3 == 2),
+    (dict(), lambda n: n % 3 == 2 and n % 5 != 4),  # the authors' gate: a candidate call in every round
+], ids=["grpo", "gate"])
+def test_refill_rounds_larger_than_a_generation_batch_train_the_same_in_fewer_generate_calls(
+        tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch, fields, kept):
+    """A small generation batch (one optimizer step per rollout batch) whose rounds keep few groups: refill rounds
+    sized to what is missing beyond a generation batch (dynamic_sampling_refill_max_groups) train the same groups in
+    fewer rounds, so fewer generate calls for the policy and, under the gate, for π_ref's candidates (counted)."""
+    fields = dict(fields, dynamic_sampling_max_rounds=30)  # capped rounds need many here: none stays short
+    capped, capped_batches, capped_fake = stream_run(tiny_model_path, tiny_tokenizer, tmp_path / "capped", monkeypatch,
+                                                     numbers=SPARSE_NUMBERS, **fields)
+    sized, sized_batches, sized_fake = stream_run(tiny_model_path, tiny_tokenizer, tmp_path / "sized", monkeypatch,
+                                                  numbers=SPARSE_NUMBERS, dynamic_sampling_refill_max_groups=64,
+                                                  **fields)
+    assert trained_groups(sized_batches[0][2]) == trained_groups(capped_batches[0][2])
+    assert logged(sized, "loss")[0] == pytest.approx(logged(capped, "loss")[0], abs=1e-6)
+    for trainer, runs in ((capped, capped_batches), (sized, sized_batches)):
+        for rounds, drawn, batch in runs:  # the first 8 kept groups of the prompt stream, whatever the rounds' sizes
+            stream = RefillSampler(len(SPARSE_NUMBERS), trainer.args.seed)
+            stream.drawn = drawn
+            candidates = rounds[0][::G] + [f"{SPARSE_NUMBERS[i]}+{SPARSE_NUMBERS[i] + 1}=" for i in stream.draw(400)]
+            expected = [p for p in candidates if kept(int(p.split("+")[0]))][:8]
+            assert [tiny_tokenizer.decode(p, skip_special_tokens=True) for p, _ in trained_groups(batch)] == expected
+    assert logged(sized, "armor/batch_short_groups") == logged(capped, "armor/batch_short_groups") == [0.0] * 3
+    assert any(len(r) > 32 for rounds, _, _ in sized_batches for r in rounds[1:])  # a refill round beyond the batch
+    assert all(len(r) <= 32 for rounds, _, _ in capped_batches for r in rounds)
+    # the calls: one policy generate call per round, and under the gate one candidate call per round with a mixed group
+    rounds = lambda runs: sum(len(r) for r, _, _ in runs)  # noqa: E731
+    assert sized_fake.calls == rounds(sized_batches) < rounds(capped_batches) == capped_fake.calls
+    if "use_anchors" not in fields:
+        assert sized_fake.reference_calls <= rounds(sized_batches)
+        assert 0 < sized_fake.reference_calls < capped_fake.reference_calls <= rounds(capped_batches)
 
 
 def test_concat_rows_repads_prompts_left_and_completions_right():

@@ -37,13 +37,15 @@ def advantages_across_processes(trainer, local_rewards: torch.Tensor, local_keep
     return advantages[rank * rows : (rank + 1) * rows]
 
 
-def refill_groups(missing: int, generated: int, kept: int, batch_groups: int, whole_batch: bool) -> int:
+def refill_groups(missing: int, generated: int, kept: int, batch_groups: int, whole_batch: bool,
+                  most: int | None = None) -> int:
     """Groups per process of the next refill round: ``missing`` (the most any process still misses) over the share
     of groups kept so far (``kept`` of ``generated``, all processes, this batch's rounds), rounded up, at most a
-    generation batch's ``batch_groups``; a whole batch when ``whole_batch`` or nothing was kept yet."""
+    generation batch's ``batch_groups`` (or ``most``, where it is larger: ``dynamic_sampling_refill_max_groups``); a
+    whole batch when ``whole_batch`` or nothing was kept yet."""
     if whole_batch or kept == 0:
         return batch_groups
-    return min(batch_groups, -(-missing * generated // kept))
+    return min(max(batch_groups, most or 0), -(-missing * generated // kept))
 
 
 class DynamicSampling:
@@ -124,7 +126,8 @@ class DynamicSampling:
                 break
             last = rounds + 1 >= self.args.dynamic_sampling_max_rounds
             size = refill_groups(missing, generated, generated - int(agreed[:, 2:].sum().item()), target,
-                                 whole_batch=last or self.args.dynamic_sampling_refill == "batch")
+                                 whole_batch=last or self.args.dynamic_sampling_refill == "batch",
+                                 most=self.args.dynamic_sampling_refill_max_groups)
             indices = self.refill.draw(size, trainer.accelerator.process_index, trainer.accelerator.num_processes)
             inputs = [dict(self.dataset[i]) for i in indices for _ in range(group_size)]
         parts = kept
