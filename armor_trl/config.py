@@ -396,7 +396,8 @@ class ArmorConfig(GRPOConfig):
             "the batch cuts. Groups whose keep decision depends on their anchor (the gate, `anchor_filter='drop'`; "
             "unsolved groups with `dynamic_sampling_keep_unsolved`) draw in their round. The kept batch, its anchors' "
             "distribution and the loss are the in-round path's (docs/algorithm.md, 'Which groups get candidates'); "
-            "same-call rounds and VLM or `rollout_func` runs draw in their round. Logged as "
+            "same-call rounds and VLM or `rollout_func` runs draw in their round; with `tools` or `environment_factory` the "
+            "deferred candidates' trajectories run through TRL's loop after the refill loop. Logged as "
             "`armor/anchor_deferred_frac`. False: every eligible group draws in its round."
         },
     )
