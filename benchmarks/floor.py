@@ -149,6 +149,7 @@ def _add_tools(summary: dict, runs: list, bench: BenchConfig, g: int, train_rows
                 "policy_rows": (entry.get("work") or {}).get("policy_rows"),
                 "base_policy_rows": base["work"]["policy_rows"],
                 "anchor_calls": (entry.get("work") or {}).get("anchor_calls"),
+                "anchor_turn_calls": (entry.get("work") or {}).get("anchor_turn_calls"),
             }
 
 
@@ -196,7 +197,7 @@ def _tool_table(summary: dict) -> list:
         rows.append(
             f"| {name} | {m} | {fl['base']} | {_f(entry['cost_per_step_s']['median'])} | {_f(fl['over_base'], 2)} | "
             f"{_f(fl['floor_s'])} | {_f(fl['measured_over_floor'], 2)} | {_f(fl['candidate_rows'], 1)} | "
-            f"{_f(fl['anchor_calls'], 2)} | {_f(fl['gate_dropped_groups'], 2)} | {_f(fl['credited_rows'], 1)} | "
+            f"{_f(fl['anchor_calls'], 2)} + {_f(fl.get('anchor_turn_calls'), 2)} | {_f(fl['gate_dropped_groups'], 2)} | {_f(fl['credited_rows'], 1)} | "
             f"{_f(fl['policy_rows'], 1)} / {_f(fl['base_policy_rows'], 1)} | {_f(fl['gen_s_per_row'] * 1e3, 2)} | "
             f"{_f(None if fl['candidate_s_per_row'] is None else fl['candidate_s_per_row'] * 1e3, 2)} | "
             f"{_f(fl['logp_s_per_row'] * 1e3, 2)} × {fl['ref_rows']} |")
@@ -209,7 +210,7 @@ def _tool_table(summary: dict) -> list:
             "(benchmarks/floor.py); the candidates' own measured cost per row (anchor_gen + anchor_tools over their "
             "rows) beside it:", "",
             "| config | M | base | s/opt step | × base | floor s/opt step | measured / floor | candidate rows / opt step | "
-            "anchor generate calls / opt step | groups the gate dropped / opt step | slot rows credited / opt step | "
+            "candidate generate calls / opt step (first turns + later turns) | groups the gate dropped / opt step | slot rows credited / opt step | "
             "policy rows / opt step (variant / base) | trajectory ms per row (base) | candidate ms per row (measured) | "
             "log-prob ms per row × rows |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]

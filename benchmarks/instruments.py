@@ -47,7 +47,7 @@ from collections import defaultdict
 
 PARTS = ("policy_gen", "anchor_gen", "anchor_score", "ref_fwd", "reward", "gen_other", "loss_bwd", "push_ref",
          "push_policy", "policy_tools", "anchor_tools", "other")
-WORK = ("policy_calls", "policy_rows", "anchor_calls", "logp_rows")
+WORK = ("policy_calls", "policy_rows", "anchor_calls", "logp_rows", "policy_turn_calls", "anchor_turn_calls")
 
 
 def rss_mb() -> float:
@@ -114,7 +114,10 @@ def work(calls: dict, rows: dict) -> dict:
     return {"policy_calls": calls.get("policy_generate", calls.get("gen_single_turn", 0)),
             "policy_rows": rows.get("policy_generate", rows.get("gen_single_turn", 0)),
             "anchor_calls": calls.get("anchor_generate", 0) + calls.get("anchor_generate_after", 0),
-            "logp_rows": rows.get("ref_fwd_armor", 0) + rows.get("logps_in_gen", 0)}
+            "logp_rows": rows.get("ref_fwd_armor", 0) + rows.get("logps_in_gen", 0),
+            # with tools: the generate calls of the turns after a tool result, the training rows' and the candidates'
+            "policy_turn_calls": calls.get("policy_turn_generate", calls.get("gen_turn", 0)),
+            "anchor_turn_calls": calls.get("anchor_turn_generate", 0)}
 
 
 def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
@@ -126,8 +129,9 @@ def instrument(trainer, timers: Timers, armor: bool) -> list[dict]:
     t = trainer
     t._generate_and_score_completions = timers.wrap(t._generate_and_score_completions, "gs_total", flag="gen")
     # (a tool loop's later turns call it again from inside: timed as the loop's, below)
+    # (a tool loop's turn outside an anchored round: counted as a turn call, timed within the loop's)
     t._generate_single_turn = timers.wrap(t._generate_single_turn, None, flag="single_turn",
-                                          key_fn=lambda: None if "tool_turns" in timers.flags else "gen_single_turn",
+                                          key_fn=lambda: "gen_turn" if "tool_turns" in timers.flags else "gen_single_turn",
                                           rows_fn=lambda args, result: len(args[0]))  # (prompt_ids, ...)
     if t.tools:  # TRL's tool loop (ARMOR's hook answers an anchored round's call with the trajectories it ran)
         t._tool_call_loop = timers.wrap(t._tool_call_loop, None, flag="tool_turns", key_fn=tool_turns_key(timers))
@@ -192,8 +196,7 @@ def _instrument_seam(timers: Timers) -> None:
     vllm_engine.push_to_engine = timers.wrap(vllm_engine.push_to_engine, None, key_fn=after("ref_push"))
     # the class attribute, which ARMOR's override reaches through super(); inside trl_generation.generate it is anchors
     GRPOTrainer._generate_single_turn = timers.wrap(
-        GRPOTrainer._generate_single_turn, None,
-        key_fn=lambda: None if {"anchor_gen", "tool_turns"} & timers.flags else "policy_generate",
+        GRPOTrainer._generate_single_turn, None, key_fn=lambda: _generate_key(timers.flags),
         rows_fn=lambda args, result: len(args[1]),  # (trainer, prompt_ids, ...)
     )
     # tools: the rollout's loops (the rows' and the candidates'), and the candidates' part of them
@@ -203,6 +206,15 @@ def _instrument_seam(timers: Timers) -> None:
                                                 key_fn=tool_turns_key(timers))
     ToolAnchorRollout._reference_candidates = timers.wrap(ToolAnchorRollout._reference_candidates, None,
                                                           flag="candidates", key_fn=lambda: "candidates")
+
+
+def _generate_key(flags: set) -> str | None:
+    """The key of a call of TRL's generation method made by ARMOR: a tool loop's turn after a tool result (the
+    candidates' or the training rows'), a candidate's first turn (counted by ``trl_generation.generate``: None), or
+    the training rows' first turn."""
+    if "tool_turns" in flags:
+        return "anchor_turn_generate" if "candidates" in flags else "policy_turn_generate"
+    return None if "anchor_gen" in flags else "policy_generate"
 
 
 def split(raw: dict) -> dict:

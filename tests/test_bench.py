@@ -138,8 +138,27 @@ def test_bench_smoke_of_the_tool_workload(tmp_path):
     assert any(regime["armor_tools"][m]["split_s"]["anchor_tools"] > 0 for m in ("1", "16"))
     tools = [t for t in result["regime"]["targets"] if "armor_tools" in t["target"]]
     assert [t["target"] for t in tools] == ["step armor_tools / grpo_tools_b004 at M=1 <= 1.30",
-                                            "step armor_tools / grpo_tools_b004 at M=16 <= 1.15"]
+                                            "step armor_tools / grpo_tools_b004 at M=16 <= 1.15",
+                                            "armor_tools measured / floor at M=1 <= 1.15",
+                                            "armor_tools measured / floor at M=16 <= 1.05"]
     assert all(isinstance(t["met"], bool) and t["measured"] > 0 for t in tools)
+    # the generate calls of the turns after a tool result, the training rows' and (ARMOR) the candidates' (the smoke
+    # shape's agent may call no tool: counted, not required)
+    assert summary["grpo_tools_b004"]["work"]["policy_turn_calls"] >= 0
+    assert summary["grpo_b004"]["work"]["policy_turn_calls"] == summary["grpo_b004"]["work"]["anchor_turn_calls"] == 0
+    assert all(regime["armor_tools"][m]["work"]["anchor_turn_calls"] >= 0 for m in ("1", "16"))
+    assert all(regime["armor_tools"][m]["floor"]["kind"] == "tools" for m in ("1", "16"))
+
+
+def test_the_turns_after_a_tool_result_are_counted_apart_for_the_rows_and_the_candidates():
+    key = instruments._generate_key
+    assert key(set()) == "policy_generate" and key({"anchor_gen"}) is None  # first turns (candidates': generate's)
+    assert key({"tool_turns"}) == "policy_turn_generate"
+    assert key({"tool_turns", "candidates", "single_turn"}) == "anchor_turn_generate"
+    done = instruments.work({"policy_generate": 1, "policy_turn_generate": 2, "anchor_turn_generate": 3, "gen_turn": 9},
+                            {})
+    assert (done["policy_turn_calls"], done["anchor_turn_calls"]) == (2, 3)
+    assert instruments.work({"gen_single_turn": 1, "gen_turn": 4}, {})["policy_turn_calls"] == 4  # GRPO: TRL's loop
 
 
 def test_timers_count_rows_of_log_prob_passes_made_not_skipped():
@@ -197,7 +216,7 @@ def _tool_entry(step, policy_gen=0.0, policy_tools=0.0, policy_rows=0, ref_fwd=0
                 anchor_gen=0.0, anchor_tools=0.0, anchor_calls=None):
     entry = _regime_entry(step, policy_gen, policy_rows, ref_fwd, logp_rows, candidates)
     entry["split_s"].update(policy_tools=policy_tools, anchor_gen=anchor_gen, anchor_tools=anchor_tools)
-    entry["work"]["anchor_calls"] = anchor_calls
+    entry["work"].update(anchor_calls=anchor_calls, anchor_turn_calls=None if anchor_calls is None else 1.0)
     return entry
 
 
@@ -226,7 +245,7 @@ def test_the_tool_loops_floor_prices_candidate_trajectories_over_all_their_turns
     assert "floor" not in summary["armor_dynamic_eligible"]["16"] and "floor" not in summary["grpo_tools_b004"]["1"]
     lines = floor.table(summary)
     assert any("against its floor" in line and "tool loop" in line for line in lines)
-    assert "| armor_tools | 1 | grpo_tools_b004 | 1.300 | 1.44 | 1.020 | 1.27 | 16.0 | 2.00 | 0.00 | 4.0 | " \
+    assert "| armor_tools | 1 | grpo_tools_b004 | 1.300 | 1.44 | 1.020 | 1.27 | 16.0 | 2.00 + 1.00 | 0.00 | 4.0 | " \
            "28.0 / 32.0 | 10.00 | 18.00 | 2.00 × 0 |" in lines
     from benchmarks import regime
 
@@ -376,7 +395,8 @@ def test_bench_smoke_writes_json_and_table(tmp_path):
     # issue 45: the work per optimizer step; log-probs only for the rows that train (π_old at M = 16, π_ref for ARMOR)
     rows = 16  # the smoke preset's rows per optimizer step
     for name, entry in summary.items():
-        assert set(entry["work"]) == {"policy_calls", "policy_rows", "anchor_calls", "logp_rows"}, name
+        assert set(entry["work"]) == {"policy_calls", "policy_rows", "anchor_calls", "logp_rows", "policy_turn_calls",
+                                      "anchor_turn_calls"}, name
         assert entry["work"]["policy_rows"] >= entry["work"]["policy_calls"] > 0, name
     assert regime["summary"]["grpo_dynamic"]["16"]["work"]["logp_rows"] == rows
     assert regime["summary"]["armor_dynamic"]["16"]["work"]["logp_rows"] <= 2 * rows
