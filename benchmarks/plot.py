@@ -18,6 +18,7 @@ def regime_plot(result: dict, bench: BenchConfig, path: Path | str) -> None:
     summary, meta = result["regime"]["summary"], result["meta"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, base, lora in ((axes[0], bench.baseline, False), (axes[1], bench.lora_baseline, True)):
+        drawn = 0
         for name, by_m in summary.items():
             if bench.variants[name].lora != lora or name == base:
                 continue
@@ -25,8 +26,15 @@ def regime_plot(result: dict, bench: BenchConfig, path: Path | str) -> None:
             ratios = [by_m[str(m)]["vs_" + base]["step"] for m in ms]
             low = [r - by_m[str(m)]["vs_" + base]["step_paired"]["min"] for m, r in zip(ms, ratios)]
             high = [by_m[str(m)]["vs_" + base]["step_paired"]["max"] - r for m, r in zip(ms, ratios)]
+            if not ms:
+                continue
             ax.errorbar(ms, ratios, yerr=[[max(v, 0) for v in low], [max(v, 0) for v in high]], marker="o",
                         capsize=3, label=name)
+            drawn += 1
+        if not drawn:  # a run without this panel's base (the tool loop's table: GRPO with tools is its base)
+            ax.set_axis_off()
+            ax.set_title(f"no variant measured against {base}", fontsize=9)
+            continue
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks([int(m) for m in result["regime"]["meta"]["mini_batches"]])

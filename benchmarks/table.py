@@ -108,8 +108,9 @@ def provenance(result: dict, spec: Spec = MAIN_SPEC) -> str:
             f"({meta['cpus']} CPUs), {meta['time'][:10]}: {_count(regime['meta']['reps'], 'repetition')} per variant and M, "
             f"1-min load {_f(min(loads))}–{_f(max(loads))} around the runs, {engine}, the bench's tiny model "
             f"(hidden {meta['hidden']}, {_count(meta['layers'], 'layer')}, G = {meta['g']}, K = {meta['k']}, "
-            f"{regime['meta']['batch']} rows per optimizer step), mixed share {meta.get('mixed_share')} in DAPO's loop; "
-            f"the whole run took {meta['wall_s'] / 60:.0f} minutes.")
+            f"{regime['meta']['batch']} rows per optimizer step)"
+            + ("" if meta.get("mixed_share") is None else f", mixed share {meta['mixed_share']} in DAPO's loop")
+            + f"; the whole run took {meta['wall_s'] / 60:.0f} minutes.")
 
 
 FLOOR_TEXT = {
