@@ -159,7 +159,7 @@ bench-dynamic: $(STAMP)
 # grpo_dynamic, the default gate, keep + deferred candidates, lazy waves in the loop; mixed share 0.5, M = 1 and 16,
 # 3 repetitions: 36 runs, each starting a compiled engine), into results/bench_dynamic_vllm/share_0.5/; then
 # docs/bench_table_vllm.md and its copy in docs/performance.md (between the bench-table-vllm markers). Sized to about
-# 30-40 minutes on 2 quiet cores (45 at most). Other shares: scripts/bench_dynamic.sh --vllm (results only).
+# 25-40 minutes on 2 quiet cores (45 at most). Other shares: scripts/bench_dynamic.sh --vllm (results only).
 bench-dynamic-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python \
 		-m benchmarks.table run --table dynamic_vllm $(BENCH_ARGS)

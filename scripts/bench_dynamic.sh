@@ -6,7 +6,7 @@
 #
 #   scripts/bench_dynamic.sh            # transformers generation: `make bench` (about 6-8 minutes on 2 quiet cores)
 #   scripts/bench_dynamic.sh --vllm     # TRL's colocated vLLM engine on the CPU: `make bench-vllm` (needs .venv-vllm;
-#                                       # about 35-45 minutes a share: every run starts a compiled engine). At share
+#                                       # about 30-45 minutes a share (7 variants): every run starts a compiled engine). At share
 #                                       # 0.5 `make bench-dynamic-vllm` measures its table (6 variants) and writes it
 #   SHARES="0.3 0.5" scripts/bench_dynamic.sh --regime-reps 2   # further arguments go to the bench
 #
