@@ -104,6 +104,8 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     from armor_trl.app.tiny import build_tiny_model
 
     warm = settings["warmup"]
+    if warm.get("kind") == TOOL_AGENT:
+        return warm_start_tool_agent(recipe, settings, cache_dir, progress)
     mix = warmup_modes(warm.get("modes"))
     task = {k: recipe[k] for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
                                    "arithmetic_seed")}
@@ -194,6 +196,55 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     tokenizer.save_pretrained(tmp)
     (tmp / "warmup.json").write_text(json.dumps(record))
     if path.exists():  # another process cached the same checkpoint meanwhile
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, path)
+    return str(path), record
+
+
+TOOL_AGENT = "tool_agent"  # demo.warmup.kind of the tool-use testbed (armor_trl.app.tool_testbed.build_tool_agent)
+TOOL_AGENT_KEYS = ("steps", "batch_size", "learning_rate", "digits", "wrong_name_share", "direct_share", "retry_share")
+
+
+def warm_start_tool_agent(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> tuple[str, dict]:
+    """The warm-started tiny tool agent (:func:`armor_trl.app.tool_testbed.build_tool_agent`) of ``demo.warmup``
+    (``kind: tool_agent``, ``seed`` and :data:`TOOL_AGENT_KEYS`; ``demo.tiny_model``'s size), on problems that exclude
+    the recipe's held-out ones; cached under ``cache_dir`` like :func:`warm_start`. A fixed number of steps: the
+    agent's start point is measured by the runs' own validation at step 0."""
+    from armor_trl.app.tool_testbed import build_tool_agent
+    from armor_trl.data.datasets import arithmetic_splits
+
+    warm = settings["warmup"]
+    if unknown := sorted(set(warm) - {"kind", "seed", *TOOL_AGENT_KEYS}):
+        raise ValueError(f"demo.warmup (kind {TOOL_AGENT}) takes {['seed', *TOOL_AGENT_KEYS]}, not {unknown}.")
+    model = settings["tiny_model"]
+    task = {k: recipe.get(k) for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
+                                       "arithmetic_eval_digits", "arithmetic_seed")}
+    key = json.dumps({"model": model, "warmup": warm, "task": task}, sort_keys=True)
+    path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if (path / "warmup.json").is_file():
+        if progress is not None:
+            progress.set_description_str("warm-up: cached")
+        return str(path), read_json(str(path / "warmup.json"))
+    _, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],
+                                    task["arithmetic_seed"], task["arithmetic_digits"],
+                                    eval_digits=task["arithmetic_eval_digits"])
+    digits = warm.get("digits", task["arithmetic_digits"])
+    if isinstance(digits, dict):
+        digits = {int(d): float(w) for d, w in digits.items()}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f"{path.name}.tmp-{os.getpid()}"
+    shares = {k: warm[k] for k in ("wrong_name_share", "direct_share", "retry_share", "batch_size", "learning_rate")
+              if k in warm}
+    start = time.time()
+    build_tool_agent(tmp, steps=warm["steps"], seed=warm["seed"], hidden_size=model.get("hidden_size", 64),
+                     num_layers=model.get("num_layers", 2), digits=digits, exclude=set(held_out["prompt"]),
+                     threads=None, **shares)
+    if progress is not None:
+        progress.update(warm["steps"])
+    record = {"steps": warm["steps"], "kind": TOOL_AGENT, "warmup_wall_time_s": time.time() - start}
+    (tmp / "warmup.json").write_text(json.dumps(record))
+    if path.exists():
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, path)

@@ -1,0 +1,85 @@
+"""Validation of an agent: held-out completions sampled through TRL's own tool loop (``tools=[...]``), so that a
+trajectory calls its tools, reads their results and answers as in training. :func:`sample_trajectories_with_trainer`
+is :func:`armor_trl.callbacks.evaluation.sample_ids_with_trainer` for a trainer with tools: the first turn through the
+trainer's generation path, then ``GRPOTrainer._tool_call_loop`` on the rows with the trainer's tools, every later turn
+through the same path with the same sampling settings. Each trajectory comes back with the messages TRL's reward
+functions get and the number of tool calls TRL ran for it, so validation can log the held-out tool-call rate
+(``val/tool_call_rate``: the share of samples that called a tool at least once; ``val/tool_calls``: calls per sample).
+
+Agents built with ``environment_factory`` are not validated this way: each held-out row would need environment
+instances of its own, reset with the row; :func:`check_tool_validation` refuses them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from armor_trl.integration import trl_generation
+from armor_trl.rollout.tool_anchors import MessageLog, tool_turns
+
+
+@dataclass
+class SampledTrajectory:
+    """One held-out sample of an agent: its token ids (model turns and tool results), the messages the reward
+    functions get, and the tool calls TRL ran for it."""
+
+    completion_ids: list
+    messages: list
+    calls: int
+
+
+def check_tool_validation(trainer) -> None:
+    """A ValueError for an agent whose validation cannot run through TRL's tool loop here (``environment_factory``)."""
+    if trl_generation.uses_environments(trainer):
+        raise ValueError(
+            "Validation through a GRPOTrainer with environment_factory is not supported: each held-out sample would "
+            "need an environment instance of its own, reset with its row. Validate with tools=[...] (the same "
+            "functions as standalone tools), or evaluate the environments yourself after training."
+        )
+
+
+def sample_trajectories_with_trainer(trainer, prompts: list, all_ids: list[list[int]], indices: list[int], draws: int,
+                                     seed: int, per_call: int, temperature: float, top_p: float,
+                                     max_new_tokens: int) -> list[list[SampledTrajectory]]:
+    """``draws`` trajectories for each chat prompt ``prompts[i]`` (token ids ``all_ids[i]``), ``i`` in ``indices``,
+    through the trainer's generation path and TRL's tool loop with these sampling settings (``max_new_tokens`` bounds
+    the whole trajectory, as ``max_completion_length`` does in training); each call holds ``per_call`` prompts and is
+    seeded from its first (:func:`armor_trl.callbacks.evaluation.problem_seed`). The global RNG state and the model's
+    train/eval mode are restored."""
+    from armor_trl.callbacks.evaluation import problem_seed
+
+    check_tool_validation(trainer)
+    model, was_training = trainer.model, trainer.model.training
+    device = trainer.accelerator.device
+    groups: list[list[SampledTrajectory]] = []
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                trl_generation.sampling_with(trainer, temperature, top_p, max_new_tokens):
+            for start in range(0, len(indices), per_call):
+                chunk = indices[start : start + per_call]
+                torch.manual_seed(problem_seed(seed, chunk[0]))
+                row_ids = [all_ids[i] for i in chunk for _ in range(draws)]
+                row_prompts = [prompts[i] for i in chunk for _ in range(draws)]
+                trajectories = _run_tool_loop(trainer, row_prompts, row_ids, trl_generation.generate(trainer, row_ids,
+                                                                                                     draws))
+                groups += [trajectories[j * draws : (j + 1) * draws] for j in range(len(chunk))]
+    finally:
+        model.train(was_training)
+    return groups
+
+
+def _run_tool_loop(trainer, prompts: list, prompt_ids: list, first_ids: list) -> list[SampledTrajectory]:
+    """TRL's tool loop on the first turns ``first_ids``, each row with the trainer's tools."""
+    rows = [trl_generation.environment_tool_row(trainer, None, None) for _ in prompts]
+    tools = trl_generation.row_tools(trainer, rows)
+    messages = [MessageLog(m) for m in trl_generation.decode_for_rewards(trainer, prompt_ids, first_ids, prompts, tools)]
+    with trl_generation.tool_rows_as(trainer, rows), tool_turns(trainer):
+        _, messages, ids, _, _, _, _ = trl_generation.tool_call_loop(
+            trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids], messages,
+            None, None, {})
+    return [SampledTrajectory(list(ids[i]), list(messages[i]), len(messages[i].tool_results))
+            for i in range(len(prompts))]
