@@ -44,16 +44,6 @@ def test_install_comes_by_line_30_and_works_today():
             assert wrong not in text, f"{page.name}: {wrong}"
 
 
-def test_the_extras_table_lists_every_extra():
-    """The README's extras table has a row for each extra pyproject.toml defines, and none it does not."""
-    import tomllib
-
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    install = README.read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `([\w-]+)` \|", install, flags=re.M)
-    assert sorted(rows) == sorted(extras), f"README extras {sorted(rows)}, pyproject.toml {sorted(extras)}"
-
-
 def test_quickstart_is_short_and_uses_what_the_issue_asks_for():
     code = quickstart()
     assert len(code.strip().splitlines()) <= 20
