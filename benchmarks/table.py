@@ -1,12 +1,13 @@
-"""The current bench table: one bench run, written to ``docs/bench_table.md`` and copied into README.md and
-docs/performance.md between the lines ``<!-- bench-table:start -->`` and ``<!-- bench-table:end -->``.
+"""The current bench table: one bench run, written to ``docs/bench_table.md`` and copied into docs/performance.md
+between the lines ``<!-- bench-table:start -->`` and ``<!-- bench-table:end -->``. README.md quotes a few of its
+cells in its cost sentence (tests/test_docs.py checks them against the table).
 
     python -m benchmarks.table run [bench arguments]   # `make bench-table`: the bench (bench.yaml's bench_table), then write
     python -m benchmarks.table write results/bench_table/bench.json   # write the table from a saved run
     python -m benchmarks.table sync                     # copy docs/bench_table.md into the pages
 
 A run of another preset than ``full`` (``--smoke``) writes its table next to its bench.json only: the pages quote
-measurements. tests/test_docs.py keeps the pages' copies equal to docs/bench_table.md.
+measurements. tests/test_docs.py keeps the page's copy equal to docs/bench_table.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from benchmarks import config
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_FILE = Path("docs") / "bench_table.md"
-PAGES = (Path("README.md"), Path("docs") / "performance.md")
+PAGES = (Path("docs") / "performance.md",)
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 OUT = Path("results") / "bench_table"
 GENERATED = "<!-- written by `make bench-table` (benchmarks/table.py); edit benchmarks/bench.yaml or the code, not this -->"
@@ -127,7 +128,8 @@ def write(result_path: Path, root: Path = REPO) -> Path:
     check_pages(root)
     (root / TABLE_FILE).write_text(block + "\n")
     sync(root)
-    print(f"wrote {root / TABLE_FILE} and its copies in {', '.join(map(str, PAGES))}")
+    print(f"wrote {root / TABLE_FILE} and its copies in {', '.join(map(str, PAGES))}; README.md quotes some of its "
+          "cells in its cost sentence: update them (tests/test_docs.py checks them)")
     return root / TABLE_FILE
 
 
