@@ -333,13 +333,19 @@ def series(records: list[dict], *keys: str) -> list[tuple[int, float]]:
     return out
 
 
+TOOL_CALLED = "tool_called"  # the pseudo-mode of an agent's samples that called a tool TRL ran (val/tool_call_rate)
+
+
 def named_set_modes(records: list[dict], keys: list[str]) -> dict:
-    """{set name: {mode: series}} of the named validation sets' mode shares (``val/<set>/mode/<mode>``)."""
+    """{set name: {mode: series}} of the named validation sets' mode shares (``val/<set>/mode/<mode>``; an agent's
+    ``val/<set>/tool_call_rate`` as the mode :data:`TOOL_CALLED`)."""
     sets = {}
     for key in keys:
         parts = key.split("/")
         if len(parts) == 4 and parts[0] == "val" and parts[2] == "mode":
             sets.setdefault(parts[1], {})[parts[3]] = series(records, key)
+        elif len(parts) == 3 and parts[0] == "val" and parts[2] == "tool_call_rate":
+            sets.setdefault(parts[1], {})[TOOL_CALLED] = series(records, key)
     return sets
 
 
@@ -369,7 +375,10 @@ def read_curves(metrics_file: Path) -> dict:
         # pass@j curve: {} / [] where not logged
         "kl_reverse_start": series(records, "val/kl_reverse_start"),
         "kl_forward_start": series(records, "val/kl_forward_start"),
-        "modes": {k.removeprefix("val/mode/"): series(records, k) for k in keys if k.startswith("val/mode/")},
+        # an agent's held-out tool-call rate (val/tool_call_rate, the share of samples that called a tool TRL ran)
+        # reads as the share of the mode TOOL_CALLED
+        "modes": {**{k.removeprefix("val/mode/"): series(records, k) for k in keys if k.startswith("val/mode/")},
+                  **({TOOL_CALLED: series(records, "val/tool_call_rate")} if "val/tool_call_rate" in keys else {})},
         # the named val_datasets' mode shares ({set: {mode: series}}, e.g. train_carry's), and the anchor mode
         # diagnostic (anchor_mode_classifier): the modes of the anchors and of the on-policy rows in the kept groups
         "set_modes": named_set_modes(records, keys),
