@@ -301,17 +301,17 @@ def evaluate_with_trainer(trainer, dataset, verifier: Callable, k: int = 8, num_
     tokenizer = trainer.processing_class
     all_ids = _prompt_ids(tokenizer, dataset["prompt"])
     indices, real = shard(len(all_ids), trainer.accelerator.process_index, trainer.accelerator.num_processes)
-    settings = (draws, seed, max(1, batch_size // draws), temperature, sampling["top_p"], sampling["max_new_tokens"])
+    settings = (max(1, batch_size // draws), temperature, sampling["top_p"], sampling["max_new_tokens"])
     calls = None
     if trl_generation.uses_tools(trainer):  # an agent: each sample runs through TRL's tool loop
-        trajectories = tool_evaluation.sample_trajectories_with_trainer(trainer, dataset["prompt"], all_ids, indices,
-                                                                        *settings)
+        trajectories = tool_evaluation.sample_trajectories_with_trainer(
+            trainer, dataset["prompt"], all_ids, indices, draws, lambda index: problem_seed(seed, index), *settings)
         completions = [[t.messages for t in group] * (n // draws) for group in trajectories]
         texts = [tokenizer.batch_decode([t.completion_ids for t in group], skip_special_tokens=True) * (n // draws)
                  for group in trajectories]  # what a mode classifier reads: the whole trajectory, tool calls included
         calls = [[t.calls for t in group] * (n // draws) for group in trajectories[:real]]
     else:
-        groups = sample_ids_with_trainer(trainer, all_ids, indices, *settings)
+        groups = sample_ids_with_trainer(trainer, all_ids, indices, draws, seed, *settings)
         completions = texts = [tokenizer.batch_decode(ids, skip_special_tokens=True) * (n // draws) for ids in groups]
     own = indices[:real]
     counts, reasons = score_with_reasons(completions[:real], dataset.select(own), verifier) if own else ([], [])

@@ -13,6 +13,7 @@ instances of its own, reset with the row; :func:`check_tool_validation` refuses 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,15 +43,12 @@ def check_tool_validation(trainer) -> None:
 
 
 def sample_trajectories_with_trainer(trainer, prompts: list, all_ids: list[list[int]], indices: list[int], draws: int,
-                                     seed: int, per_call: int, temperature: float, top_p: float,
+                                     seed_of: Callable[[int], int], per_call: int, temperature: float, top_p: float,
                                      max_new_tokens: int) -> list[list[SampledTrajectory]]:
     """``draws`` trajectories for each chat prompt ``prompts[i]`` (token ids ``all_ids[i]``), ``i`` in ``indices``,
     through the trainer's generation path and TRL's tool loop with these sampling settings (``max_new_tokens`` bounds
     the whole trajectory, as ``max_completion_length`` does in training); each call holds ``per_call`` prompts and is
-    seeded from its first (:func:`armor_trl.callbacks.evaluation.problem_seed`). The global RNG state and the model's
-    train/eval mode are restored."""
-    from armor_trl.callbacks.evaluation import problem_seed
-
+    seeded ``seed_of(index of its first)``. The global RNG state and the model's train/eval mode are restored."""
     check_tool_validation(trainer)
     model, was_training = trainer.model, trainer.model.training
     device = trainer.accelerator.device
@@ -61,7 +59,7 @@ def sample_trajectories_with_trainer(trainer, prompts: list, all_ids: list[list[
                 trl_generation.sampling_with(trainer, temperature, top_p, max_new_tokens):
             for start in range(0, len(indices), per_call):
                 chunk = indices[start : start + per_call]
-                torch.manual_seed(problem_seed(seed, chunk[0]))
+                torch.manual_seed(seed_of(chunk[0]))
                 row_ids = [all_ids[i] for i in chunk for _ in range(draws)]
                 row_prompts = [prompts[i] for i in chunk for _ in range(draws)]
                 trajectories = _run_tool_loop(trainer, row_prompts, row_ids, trl_generation.generate(trainer, row_ids,
