@@ -39,6 +39,7 @@ from armor_trl.integration import trl_seam as seam
 from armor_trl.rollout.anchor_rollout import AnchorRollout
 from armor_trl.rollout.anchors import policy_rows
 from armor_trl.rollout.rollout_func import RolloutFuncAnchors
+from armor_trl.rollout.tool_turns import before_turn, turns_agreed
 
 TOOL_ERROR = "{'error': "  # how TRL writes a failed tool call's result into its tool message
 
@@ -111,11 +112,16 @@ class ToolLoopHooks:
         self.tool_round = ToolRound(prompts)
         return super()._generate(prompts)
 
-    def _tool_call_loop(self, *loop_args):
+    def _tool_call_loop(self, prompts, prompt_ids, *loop_args):
         if self.tool_round is not None and self.tool_round.trajectories is not None:
-            return finished_loop(self.tool_round.trajectories, *loop_args)
-        with tool_turns(self):
-            return super()._tool_call_loop(*loop_args)
+            return finished_loop(self.tool_round.trajectories, prompts, prompt_ids, *loop_args)
+        with tool_turns(self), turns_agreed(self, prompt_ids):
+            return super()._tool_call_loop(prompts, prompt_ids, *loop_args)
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        if in_tool_turns(self):  # a turn after a tool result: agreed with the other processes where calls are collective
+            before_turn(self)
+        return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
 
 def new_anchor_rollout(trainer, train_dataset, rollout_func=None) -> AnchorRollout:
@@ -243,7 +249,7 @@ class ToolAnchorRollout(AnchorRollout):
                                                                                 tools)]
         images, fields = trainer.media_for(prompt_ids)
         loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
-        with trl_generation.tool_rows_as(trainer, rows), tool_turns(trainer):
+        with trl_generation.tool_rows_as(trainer, rows), tool_turns(trainer), turns_agreed(trainer, prompt_ids):
             mask, completions, ids, loop_logprobs, _, _, tool_images = trl_generation.tool_call_loop(
                 trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids],
                 completions, loop_logprobs, images, fields)
