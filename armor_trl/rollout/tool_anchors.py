@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -40,8 +42,6 @@ from armor_trl.rollout.anchor_rollout import AnchorRollout
 from armor_trl.rollout.anchors import policy_rows
 from armor_trl.rollout.rollout_func import RolloutFuncAnchors
 from armor_trl.rollout.tool_turns import before_turn, turns_agreed
-
-TOOL_ERROR = "{'error': "  # how TRL writes a failed tool call's result into its tool message
 
 
 @dataclass
@@ -61,11 +61,13 @@ class Trajectory:
 
 class MessageLog(list):
     """A row's messages for TRL's loop that remember every tool result appended, also the ones TRL removes again when
-    they would overflow ``max_completion_length``: TRL counts those calls too."""
+    they would overflow ``max_completion_length`` (TRL counts those calls too), and how many of its calls returned
+    (:func:`counted_tools`)."""
 
     def __init__(self, messages):
         super().__init__(messages)
         self.tool_results = []
+        self.returned = 0  # tool calls of this row whose tool returned (did not raise)
 
     def append(self, message):
         if isinstance(message, dict) and message.get("role") == "tool":
@@ -73,9 +75,36 @@ class MessageLog(list):
         super().append(message)
 
     def counts(self) -> tuple[int, int]:
-        """(calls, failures): one tool result per call TRL ran; a failure is TRL's error result."""
-        failed = [m for m in self.tool_results if isinstance(m["content"], str) and m["content"].startswith(TOOL_ERROR)]
-        return len(self.tool_results), len(failed)
+        """(calls, failures) as TRL counts them: one tool result per call TRL ran; a failure is a call whose tool
+        raised, or that named no tool of the row, or was of a type TRL does not run, i.e. every call whose tool did
+        not return (a tool that returns ``{"error": ...}`` as its result succeeded)."""
+        return len(self.tool_results), len(self.tool_results) - self.returned
+
+
+def counted_tools(row, log: MessageLog):
+    """``row`` (a :class:`~armor_trl.integration.trl_generation.ToolRow`) with each tool wrapped to count the calls
+    that return in ``log``; what TRL's loop gets for that row."""
+
+    def counted(tool):
+        @functools.wraps(tool)
+        def call(*args, **kwargs):
+            result = tool(*args, **kwargs)
+            log.returned += 1
+            return result
+
+        return call
+
+    def counted_async(tool):
+        @functools.wraps(tool)
+        async def call(*args, **kwargs):
+            result = await tool(*args, **kwargs)
+            log.returned += 1
+            return result
+
+        return call
+
+    return dataclasses.replace(row, sync_tools={name: counted(tool) for name, tool in row.sync_tools.items()},
+                               async_tools={name: counted_async(tool) for name, tool in row.async_tools.items()})
 
 
 def in_tool_turns(trainer) -> bool:
@@ -190,7 +219,8 @@ class ToolAnchorRollout(AnchorRollout):
         trajectories = [self.trajectory(ids, prompt_ids[i], prompts[i], round_rows[i])
                         for i, ids in enumerate(completion_ids)]
         trainer.tool_round.trajectories = trajectories
-        self._log_tool_calls(trajectories, rows, anchors)
+        if trl_generation.uses_tools(trainer):  # (TRL logs its tool metrics only then)
+            self._log_tool_calls(trajectories, rows, anchors)
         return completion_ids, logprobs, anchors
 
     def _log_tool_calls(self, trajectories: list[Trajectory], rows: int, anchors) -> None:
@@ -242,17 +272,24 @@ class ToolAnchorRollout(AnchorRollout):
     def _run(self, prompts: list, prompt_ids: list, first_ids: list, logprobs, rows: list) -> list[Trajectory]:
         """TRL's tool loop on first turns ``first_ids`` of ``prompt_ids`` (chat ``prompts``), each row with its
         own tools and environment (``rows``: :class:`~armor_trl.integration.trl_generation.ToolRow`), through whatever
-        model is routed into the generation path."""
+        model is routed into the generation path. Where TRL runs no loop (``environment_factory`` whose environments
+        have no tool methods) neither does this: each trajectory is its first turn, every token the model's."""
         trainer = self.trainer
         tools = trl_generation.row_tools(trainer, rows)
         completions = [MessageLog(c) for c in trl_generation.decode_for_rewards(trainer, prompt_ids, first_ids, prompts,
                                                                                 tools)]
-        images, fields = trainer.media_for(prompt_ids)
-        loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
-        with trl_generation.tool_rows_as(trainer, rows), tool_turns(trainer), turns_agreed(trainer, prompt_ids):
-            mask, completions, ids, loop_logprobs, _, _, tool_images = trl_generation.tool_call_loop(
-                trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids],
-                completions, loop_logprobs, images, fields)
+        if not trl_generation.uses_tools(trainer):
+            ids, mask = [list(c) for c in first_ids], [[1] * len(c) for c in first_ids]
+            loop_logprobs, tool_images = None if logprobs is None else [list(lp) for lp in logprobs], [[] for _ in rows]
+        else:
+            images, fields = trainer.media_for(prompt_ids)
+            loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
+            counted = [counted_tools(row, log) for row, log in zip(rows, completions, strict=True)]
+            with (trl_generation.tool_rows_as(trainer, counted), tool_turns(trainer),
+                  turns_agreed(trainer, prompt_ids)):
+                mask, completions, ids, loop_logprobs, _, _, tool_images = trl_generation.tool_call_loop(
+                    trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids],
+                    completions, loop_logprobs, images, fields)
         trajectories = []
         for i, row in enumerate(rows):
             calls, failures = completions[i].counts()
