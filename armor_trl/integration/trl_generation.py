@@ -367,3 +367,25 @@ def throwaway_turn(trainer: GRPOTrainer, prompt_ids: list[int]) -> None:
     """One generation call on TRL's path (the model routed in now) for one row whose completion nobody reads: what a
     process whose tool loop has finished makes while another's still generates, so that the collective calls match."""
     GRPOTrainer._generate_single_turn(trainer, [list(prompt_ids)], None, {}, 1)
+
+
+def wrap_environment_resets(trainer: GRPOTrainer, hook) -> None:
+    """Make every environment instance's ``reset`` (those in TRL's pool and every one its factories make from now on,
+    the candidates' among them) call ``hook(reset, **kwargs)`` instead; an instance that takes no new attribute
+    keeps its own."""
+
+    def wrapped(instance):
+        reset = instance.reset
+        try:
+            instance.reset = lambda **kwargs: hook(reset, **kwargs)
+        except (AttributeError, TypeError):
+            pass
+        return instance
+
+    def factory_of(make):
+        return lambda: wrapped(make())
+
+    for pool in trainer._environment_pool.values():
+        for instance in pool:
+            wrapped(instance)
+    trainer.environment_factories = {name: factory_of(make) for name, make in trainer.environment_factories.items()}

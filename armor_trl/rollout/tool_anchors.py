@@ -174,6 +174,7 @@ class ToolAnchorRollout(AnchorRollout):
         self.environment_pool: dict = {}  # {environment name: instances} for π_ref's candidates only
         self._handed_out: dict = {}  # {environment name: instances handed out this round}
         self._group_prompts: dict = {}  # this round: id() of a group's (first) row -> its chat prompt (after reset)
+        self._group_index: dict = {}  # this round: id() of a group's (first) row -> the group's index
         # the cache's trajectories (tools without environments): completion ids -> (tool_mask, messages, calls,
         # failures); a cached anchor keeps the tool_mask of the loop that made it (checkpointed with the cache)
         self.kept: dict[tuple, tuple] = {}
@@ -192,6 +193,7 @@ class ToolAnchorRollout(AnchorRollout):
         prompts = trainer.tool_round.prompts
         check_group_prompts(prompts, group_size)
         self._group_prompts = {id(inputs[i]): prompts[i] for i in range(0, rows, group_size)}
+        self._group_index = {id(inputs[i]): i // group_size for i in range(0, rows, group_size)}
         round_rows = trl_generation.round_tool_rows(trainer, rows)
 
         def policy_trajectories(ids: list, n: int):
@@ -313,11 +315,23 @@ class ToolAnchorRollout(AnchorRollout):
             pool.append(trl_generation.new_environment(trainer, name))
         self._handed_out[name] = handed + 1
         environment = pool[handed]
-        observation = environment.reset(**trl_generation.reset_kwargs(trainer, row))
+        resets = trainer.group_resets
+        with contextlib.nullcontext() if resets is None else resets.as_group(self._group_index[id(row)]):
+            observation = environment.reset(**trl_generation.reset_kwargs(trainer, row))
         prompt = trl_generation.prompt_after_reset(trl_generation.default_prompt(trainer, row), observation)
         if prompt != group_prompt:
             raise not_reproducible(type(environment).__name__)
         return trl_generation.environment_tool_row(trainer, name, environment), prompt
+
+    def close_environments(self) -> None:
+        """Release π_ref's candidates' environment instances at the end of a ``train()`` call: each one's ``close()``
+        where its class defines one, and the pool emptied (a later call makes new ones with the factory)."""
+        pool, self.environment_pool, self._handed_out = self.environment_pool, {}, {}
+        for instances in pool.values():
+            for instance in instances:
+                close = getattr(instance, "close", None)
+                if callable(close):
+                    close()
 
     # --- AnchorRollout's candidates, as trajectories ---------------------------------------------------------------
     def _reference_candidates(self, prompt_ids: list, k: int, inputs: list[dict] | None = None) -> list:
