@@ -299,12 +299,15 @@ def test_an_environment_owned_reward_of_a_built_trainer_called_directly(tool_mod
 # --- 9. π_ref's log-probs of rows out of the loss ---------------------------------------------------------------------
 def test_rows_out_of_the_loss_carry_zero_reference_logps_marked(tool_model, tool_tokenizer, tmp_path, monkeypatch):
     """π_ref is never verified: every anchor slot is empty (its completion masked from attention). Its armor_ref_logps
-    are 0, marked by armor_loss_row = False; the rows in the loss carry real (negative) log-probs."""
-    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), anchor_same_call=False,
-                                 anchor_filter="keep")
+    are 0, marked by armor_loss_row = False, in a same-call round (π_ref's log-probs are TRL's old ones, computed in the
+    round: num_iterations=2) and in a round with a separate π_ref call alike; the rows in the loss carry real
+    (negative) log-probs."""
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), anchor_filter="keep",
+                                 num_iterations=2, max_steps=4)
     ToolFake(tool_tokenizer, trainer, reference_turn=lambda text: "8</s>").install(monkeypatch)
     batches = capture_rounds(trainer)
     trainer.train()
+    assert logged(trainer, "armor/anchor_same_call") == [1.0, 0.0]
     for batch in batches:
         kept = batch["armor_loss_row"]
         assert (~kept).sum() == 2 and not batch["armor_is_anchor"].any()
