@@ -21,7 +21,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl.rewards.checks import checked
 from testing import (G, ToolFake, anchor_rows, answer_reward, async_multiply, build_tool_trainer, capture_rounds,
-                     chat_numbers, cpu_args, last_tool_result, logged, multiply, row_text, tool_call)
+                     chat_numbers, cpu_args, last_tool_result, logged, multiply, multiply_turn, row_text,
+                     tool_call)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -517,3 +518,38 @@ def test_trl_scenario_malformed_tool_calls(tool_model, tool_tokenizer, tmp_path,
     trains(trainer)
     assert logged(trainer, "tools/call_frequency") == [0.0, 0.0]
     assert not any("\nt:" in text for _, texts in fake.calls for text in texts)
+
+
+# --- 1. equal generation calls over processes (one process here; two real ones: tests/test_multiprocess_agent.py) ------
+def test_a_finished_loop_joins_the_other_processes_turns_with_throwaway_turns(tool_model, tool_tokenizer, tmp_path,
+                                                                             monkeypatch):
+    """Generation calls made collective (as under ZeRO-3), and another process simulated that needs two more turns
+    than this one in every loop: after each of its loops this process makes two throw-away one-row turns, each through
+    the model its loop generated with (π_ref for the candidates' loops), then goes on."""
+    from armor_trl.integration import trl_generation
+    from armor_trl.rollout import tool_turns
+
+    monkeypatch.setattr(trl_generation, "generation_is_collective", lambda trainer: True)
+    asked = Counter()
+
+    def anyone_generates(agreement, generating):
+        if generating:
+            return True
+        asked[id(agreement)] += 1
+        return asked[id(agreement)] <= 2  # the other process: two more turns after this one's last
+
+    monkeypatch.setattr(tool_turns.TurnAgreement, "_anyone_generates", anyone_generates)
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), anchor_same_call=False)
+    with_tool = multiply_turn()
+    fake = ToolFake(tool_tokenizer, trainer, reference_turn=lambda text: with_tool(text) if "u:" in text else "</s>")
+    fake.install(monkeypatch)
+    batches = capture_rounds(trainer)
+    trainer.train()
+    loops = len(asked)
+    assert loops == 2 * 2 and trainer._armor_throwaway_turns == 2 * loops  # per round: the policy's, the candidates'
+    throwaway = [(is_reference, texts) for is_reference, texts in fake.calls if len(texts) == 1]
+    assert len(throwaway) == 2 * loops
+    assert [is_reference for is_reference, _ in throwaway] == [False, False, True, True] * 2
+    assert all("u:" not in texts[0] for _, texts in throwaway)  # one token of a prompt, not a row's question
+    for batch in batches:  # the rounds are what they are without the other process
+        assert len(anchor_rows(batch)) == 2
