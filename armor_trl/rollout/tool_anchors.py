@@ -21,8 +21,12 @@ its tool results out of the mixed ratio, π_ref's and π_old's log-probs and the
 
 An anchor compares trajectories from one initial state. Each environment reset must therefore reproduce the group's
 state from the row it is given: an environment that samples its own task on ``reset`` (environment-owned data drawing
-a new word each time) gives a group's rows different prompts, and anchors are refused there at the first round, with
-the fix named.
+a new word each time from a generator of its own) gives a group's rows different prompts, and anchors are refused
+there at the first round, with the fix named. Draws from the global random generators are made alike within a group
+(:mod:`~armor_trl.rollout.environment_resets`), shown in the prompt or hidden.
+
+Every loop here and TRL's own loop elsewhere agree their generation calls with the other processes where a call is
+collective (:mod:`~armor_trl.rollout.tool_turns`: ZeRO-3 and others, with different turn counts per process).
 """
 
 from __future__ import annotations
