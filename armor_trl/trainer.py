@@ -41,7 +41,6 @@ from armor_trl.callbacks.collapse_guard import CollapseGuard
 from armor_trl.config import ArmorConfig
 from armor_trl.rollout.dynamic_sampling import DynamicSampling, advantages_across_processes
 from armor_trl.rollout.refill import take_rows
-from armor_trl.rollout.environment_resets import GroupResets
 from armor_trl.integration.launcher import check_use_cpu
 from armor_trl.algorithm.loss_rows import entropy_bonus_correction, kl_beta, micro_batch_share, over_kept_rows
 from armor_trl.algorithm.mixture import kl_reference_logps, mixed_logprobs, mixed_old_inputs
@@ -174,8 +173,6 @@ class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
         checks.check_built(self)
         if args.use_anchors:  # a rollout_func's, the tool loop's or TRL's single-turn generation's
             self.anchor_rollout = new_anchor_rollout(self, train_dataset, self._user_rollout_func)
-            if trl_generation.uses_environments(self):  # a group's resets from one random state
-                self.group_resets = GroupResets(self)
             if self._user_rollout_func is not None:
                 self.rollout_func = self._armor_rollout_func  # (TRL calls self.rollout_func(prompts, self))
         if self.anchor_rollout is not None:
@@ -235,8 +232,6 @@ class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
         training = self.model.training
         anchored = training and self.armor_active and self.args.use_anchors
         self._round = Round(inputs=inputs if anchored else None)
-        if anchored and self.group_resets is not None:
-            self.group_resets.start_round(len(inputs), self.num_generations)
         with trl_generation.round_logps_skipped(self) if skips_round_logps(self) else contextlib.nullcontext():
             output = super()._generate_and_score_completions(inputs)
         current, self._round = self._round, Round()
@@ -424,11 +419,8 @@ class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
                 self.armor_started_at -= self.state.global_step  # schedules count global_step - armor_started_at
         if self.state.global_step > 0:  # trained before (resuming or not): TRL's buffered rows, and vLLM's weights,
             seam.discard_rollouts(self)  # are the last call's, made by weights this call does not start from
-        try:
-            with self.reference.training_call() if self.reference is not None else contextlib.nullcontext():
-                output = super().train(checkpoint, *args, **kwargs)
-        finally:  # π_ref's candidates' environment instances (tool_anchors), closed where they define close()
-            getattr(self.anchor_rollout, "close_environments", lambda: None)()
+        with self.reference.training_call() if self.reference is not None else contextlib.nullcontext():
+            output = super().train(checkpoint, *args, **kwargs)
         if self.args.load_best_model_at_end:  # transformers may have loaded the best checkpoint's weights: vLLM's
             seam.discard_rollouts(self)  # engine holds the final ones, and TRL pushes only at a new global_step
         return output

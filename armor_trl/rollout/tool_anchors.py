@@ -45,6 +45,7 @@ from armor_trl.integration import trl_seam as seam
 from armor_trl.rollout.anchor_rollout import AnchorRollout
 from armor_trl.rollout.anchors import policy_rows
 from armor_trl.rollout.rollout_func import RolloutFuncAnchors
+from armor_trl.rollout.environment_resets import GroupResets
 from armor_trl.rollout.tool_turns import before_turn, turns_agreed
 
 
@@ -137,13 +138,27 @@ class ToolRound:
 class ToolLoopHooks:
     """ArmorGRPOTrainer's hooks into TRL's tool loop (a mixin before GRPOTrainer): ``_generate`` starts each round's
     :class:`ToolRound` (``trainer.tool_round``), and ``_tool_call_loop`` answers for an anchored round whose
-    trajectories the anchor rollout ran already; elsewhere TRL's loop runs, its turns marked (:func:`in_tool_turns`)."""
+    trajectories the anchor rollout ran already; elsewhere TRL's loop runs, its turns marked (:func:`in_tool_turns`)
+    and agreed with the other processes (:mod:`~armor_trl.rollout.tool_turns`). An anchored round's environment resets
+    start alike per group (:mod:`~armor_trl.rollout.environment_resets`); ``train`` closes the candidates'
+    environments."""
 
     tool_round: ToolRound | None = None
 
     def _generate(self, prompts):
         self.tool_round = ToolRound(prompts)
         return super()._generate(prompts)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # π_ref's candidates' environment instances, closed where they define close()
+            getattr(self.anchor_rollout, "close_environments", lambda: None)()
+
+    def _generate_and_score_completions(self, inputs):
+        if self.group_resets is not None and self._round.inputs is not None:  # an anchored round (ArmorGRPOTrainer's)
+            self.group_resets.start_round(len(inputs), self.num_generations)  # TRL resets its rows' environments next
+        return super()._generate_and_score_completions(inputs)
 
     def _tool_call_loop(self, prompts, prompt_ids, *loop_args):
         if self.tool_round is not None and self.tool_round.trajectories is not None:
@@ -182,6 +197,8 @@ class ToolAnchorRollout(AnchorRollout):
         # the cache's trajectories (tools without environments): completion ids -> (tool_mask, messages, calls,
         # failures); a cached anchor keeps the tool_mask of the loop that made it (checkpointed with the cache)
         self.kept: dict[tuple, tuple] = {}
+        if trl_generation.uses_environments(trainer):  # a group's resets from one random state
+            trainer.group_resets = GroupResets(trainer)
 
     def register(self, state) -> None:
         super().register(state)
