@@ -40,14 +40,15 @@ def run_demo(config: str | None = None, output_dir: str = "results/demo", seeds:
              smoke: bool = False, workers: int | None = None) -> Path:
     """Run (or finish) the demo study in ``<output_dir>/<recipe name>``; print its headline; return the folder. The
     arms and seeds are the recipe's ``demo.arms`` / ``demo.seeds`` where it sets them (the tool-use testbed: GRPO and
-    ARMOR, one seed, to fit the demo's ten minutes), else :data:`ARMS` and :data:`SEEDS`; ``seeds`` overrides."""
+    ARMOR, one seed, fewer steps, to fit the demo's ten minutes), else :data:`ARMS` and :data:`SEEDS`; ``seeds``
+    overrides; ``demo.overrides`` (training fields) apply to the demo's runs only."""
     config_path = Path(config) if config else DEFAULT_CONFIG
     settings = runner.read_recipe(config_path)[1].get("demo", {})
     arms = list(settings.get("arms", ARMS))
     seeds = settings.get("seeds", SEEDS) if seeds is None else seeds
     out = Path(output_dir) / (config_path.stem + ("-smoke" if smoke else ""))
     folder = study.run_study(str(config_path), arms, seeds, workers, str(out), smoke, verbose=False,
-                             warmup_seeds=[WARMUP_SEED], primary=[])
+                             warmup_seeds=[WARMUP_SEED], primary=[], overrides=settings.get("overrides"))
     print("\n" + format_demo(json.loads((folder / "summary.json").read_text())))
     return folder
 
