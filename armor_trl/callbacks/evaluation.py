@@ -260,10 +260,15 @@ def _all_gather(value) -> list:
 
 
 def sample_ids_with_trainer(trainer, all_ids: list[list[int]], indices: list[int], draws: int, seed: int,
-                            per_call: int, temperature: float, top_p: float, max_new_tokens: int) -> list[list[list[int]]]:
+                            per_call: int, temperature: float, top_p: float, max_new_tokens: int,
+                            sample_rows: Callable | None = None) -> list[list]:
     """``draws`` completions (token ids) for each prompt ``all_ids[i]``, ``i`` in ``indices``, through the trainer's
     generation path with these sampling settings; each call holds ``per_call`` prompts and is seeded from its first
-    (:func:`problem_seed`). The global RNG state and the model's train/eval mode are restored."""
+    (:func:`problem_seed`). The global RNG state and the model's train/eval mode are restored. ``sample_rows(row
+    indices, row ids, draws)`` samples a call's rows instead (an agent's trajectories:
+    :func:`armor_trl.callbacks.tool_evaluation.trajectory_sampler`)."""
+    if sample_rows is None:
+        sample_rows = lambda rows, ids, n: trl_generation.generate(trainer, ids, n)  # noqa: E731
     model, was_training = trainer.model, trainer.model.training
     device = trainer.accelerator.device
     groups: list[list[list[int]]] = []
@@ -274,7 +279,8 @@ def sample_ids_with_trainer(trainer, all_ids: list[list[int]], indices: list[int
             for start in range(0, len(indices), per_call):
                 chunk = indices[start : start + per_call]
                 torch.manual_seed(problem_seed(seed, chunk[0]))
-                ids = trl_generation.generate(trainer, [all_ids[i] for i in chunk for _ in range(draws)], draws)
+                rows = [i for i in chunk for _ in range(draws)]
+                ids = sample_rows(rows, [all_ids[i] for i in rows], draws)
                 groups += [ids[j * draws : (j + 1) * draws] for j in range(len(chunk))]
     finally:
         model.train(was_training)
@@ -304,8 +310,8 @@ def evaluate_with_trainer(trainer, dataset, verifier: Callable, k: int = 8, num_
     settings = (max(1, batch_size // draws), temperature, sampling["top_p"], sampling["max_new_tokens"])
     calls = None
     if trl_generation.uses_tools(trainer):  # an agent: each sample runs through TRL's tool loop
-        trajectories = tool_evaluation.sample_trajectories_with_trainer(
-            trainer, dataset["prompt"], all_ids, indices, draws, lambda index: problem_seed(seed, index), *settings)
+        trajectories = sample_ids_with_trainer(trainer, all_ids, indices, draws, seed, *settings,
+                                               sample_rows=tool_evaluation.trajectory_sampler(trainer, dataset["prompt"]))
         completions = [[t.messages for t in group] * (n // draws) for group in trajectories]
         texts = [tokenizer.batch_decode([t.completion_ids for t in group], skip_special_tokens=True) * (n // draws)
                  for group in trajectories]  # what a mode classifier reads: the whole trajectory, tool calls included

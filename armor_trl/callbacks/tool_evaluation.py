@@ -1,8 +1,8 @@
 """Validation of an agent: held-out completions sampled through TRL's own tool loop (``tools=[...]``), so that a
-trajectory calls its tools, reads their results and answers as in training. :func:`sample_trajectories_with_trainer`
-is :func:`armor_trl.callbacks.evaluation.sample_ids_with_trainer` for a trainer with tools: the first turn through the
-trainer's generation path, then ``GRPOTrainer._tool_call_loop`` on the rows with the trainer's tools, every later turn
-through the same path with the same sampling settings. Each trajectory comes back with the messages TRL's reward
+trajectory calls its tools, reads their results and answers as in training. :func:`trajectory_sampler` samples a
+validation call's rows for a trainer with tools: the first turn through the trainer's generation path, then
+``GRPOTrainer._tool_call_loop`` on the rows with the trainer's tools, every later turn through the same path with the
+same sampling settings. Each trajectory comes back with the messages TRL's reward
 functions get and the number of tool calls TRL ran for it, so validation can log the held-out tool-call rate
 (``val/tool_call_rate``: the share of samples that called a tool at least once; ``val/tool_calls``: calls per sample).
 
@@ -16,7 +16,6 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 
 from armor_trl.integration import trl_generation
 from armor_trl.rollout.tool_anchors import MessageLog, tool_turns
@@ -43,32 +42,18 @@ def check_tool_validation(trainer) -> None:
         )
 
 
-def sample_trajectories_with_trainer(trainer, prompts: list, all_ids: list[list[int]], indices: list[int], draws: int,
-                                     seed_of: Callable[[int], int], per_call: int, temperature: float, top_p: float,
-                                     max_new_tokens: int) -> list[list[SampledTrajectory]]:
-    """``draws`` trajectories for each chat prompt ``prompts[i]`` (token ids ``all_ids[i]``), ``i`` in ``indices``,
-    through the trainer's generation path and TRL's tool loop with these sampling settings (``max_new_tokens`` bounds
-    the whole trajectory, as ``max_completion_length`` does in training); each call holds ``per_call`` prompts and is
-    seeded ``seed_of(index of its first)``. The global RNG state and the model's train/eval mode are restored."""
+def trajectory_sampler(trainer, prompts: list) -> Callable[[list, list, int], list[SampledTrajectory]]:
+    """What :func:`armor_trl.callbacks.evaluation.sample_ids_with_trainer` samples a call's rows with for an agent:
+    the first turn through the trainer's generation path, then TRL's tool loop with the trainer's tools (the call's
+    sampling settings bound the whole trajectory, as ``max_completion_length`` does in training), each row answering
+    the chat prompt ``prompts[i]`` of its problem ``i``."""
     check_tool_validation(trainer)
-    model, was_training = trainer.model, trainer.model.training
-    device = trainer.accelerator.device
-    groups: list[list[SampledTrajectory]] = []
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                trl_generation.sampling_with(trainer, temperature, top_p, max_new_tokens):
-            for start in range(0, len(indices), per_call):
-                chunk = indices[start : start + per_call]
-                torch.manual_seed(seed_of(chunk[0]))
-                row_ids = [all_ids[i] for i in chunk for _ in range(draws)]
-                row_prompts = [prompts[i] for i in chunk for _ in range(draws)]
-                trajectories = _run_tool_loop(trainer, row_prompts, row_ids, trl_generation.generate(trainer, row_ids,
-                                                                                                     draws))
-                groups += [trajectories[j * draws : (j + 1) * draws] for j in range(len(chunk))]
-    finally:
-        model.train(was_training)
-    return groups
+
+    def sample(rows: list[int], row_ids: list[list[int]], draws: int) -> list[SampledTrajectory]:
+        row_prompts = [prompts[i] for i in rows]
+        return _run_tool_loop(trainer, row_prompts, row_ids, trl_generation.generate(trainer, row_ids, draws))
+
+    return sample
 
 
 def _run_tool_loop(trainer, prompts: list, prompt_ids: list, first_ids: list) -> list[SampledTrajectory]:

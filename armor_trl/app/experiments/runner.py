@@ -78,6 +78,19 @@ def override_flags(overrides: dict) -> list[str]:
 
 
 # --- the warm-started tiny model ----------------------------------------------------------------------------------
+def cached_warm_checkpoint(cache_dir: Path, model: dict, warm: dict, task: dict,
+                           progress=None) -> tuple[Path, dict | None]:
+    """(the cache folder of the warm checkpoint that ``model``, ``warm`` and ``task`` shape, its warm-up record or None
+    when it is not built yet)."""
+    key = json.dumps({"model": model, "warmup": warm, "task": task}, sort_keys=True)
+    path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if not (path / "warmup.json").is_file():
+        return path, None
+    if progress is not None:
+        progress.set_description_str("warm-up: cached")
+    return path, read_json(str(path / "warmup.json"))
+
+
 def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> tuple[str, dict]:
     """The warm-started tiny model and a record of its warm-up, built once and cached under ``cache_dir`` by a hash
     of everything that shapes it.
@@ -115,12 +128,9 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     if recipe.get("arithmetic_train_carry_share") is not None:
         # the carry-mix variant: the warm-up reserves both training pools, so one warm checkpoint serves every share
         task["arithmetic_train_carry_pools"] = True
-    key = json.dumps({"model": settings["tiny_model"], "warmup": warm, "task": task}, sort_keys=True)
-    path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-    if (path / "warmup.json").is_file():
-        if progress is not None:
-            progress.set_description_str("warm-up: cached")
-        return str(path), read_json(str(path / "warmup.json"))
+    path, cached = cached_warm_checkpoint(cache_dir, settings["tiny_model"], warm, task, progress)
+    if cached is not None:
+        return str(path), cached
 
     rl_train, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],
                                            task["arithmetic_seed"], task["arithmetic_digits"],
@@ -220,12 +230,9 @@ def warm_start_tool_agent(recipe: dict, settings: dict, cache_dir: Path, progres
     model = settings["tiny_model"]
     task = {k: recipe.get(k) for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
                                        "arithmetic_eval_digits", "arithmetic_seed")}
-    key = json.dumps({"model": model, "warmup": warm, "task": task}, sort_keys=True)
-    path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-    if (path / "warmup.json").is_file():
-        if progress is not None:
-            progress.set_description_str("warm-up: cached")
-        return str(path), read_json(str(path / "warmup.json"))
+    path, cached = cached_warm_checkpoint(cache_dir, model, warm, task, progress)
+    if cached is not None:
+        return str(path), cached
     _, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],
                                     task["arithmetic_seed"], task["arithmetic_digits"],
                                     eval_digits=task["arithmetic_eval_digits"])
