@@ -104,6 +104,38 @@ def report(paths: list[Path]) -> None:
         cells = ["–" if numbers[k] is None else str(numbers[k]) if isinstance(numbers[k], bool)
                  else f"{numbers[k]:.3f}" for k in names]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    study_checks(runs)
+
+
+def study_checks(runs: dict) -> None:
+    """Per arm, the means over runs; the pre-registered falsifiers that the runs at hand decide: (1) plain GRPO lost
+    the tool on a majority of its runs, (2, first half) π_ref's held-out tool-call rate at step 0 (the warm checkpoint
+    validated before training) is at least 0.3 on every warm checkpoint."""
+    by_arm: dict[str, list] = {}
+    start_by_warm: dict[str, list] = {}
+    for run in runs.values():
+        numbers = run_numbers(run["series"])
+        by_arm.setdefault(run["tags"]["arm"], []).append(numbers)
+        if numbers["called_start"] is not None:
+            start_by_warm.setdefault(run["tags"]["warmup_seed"], []).append(numbers["called_start"])
+    names = ("val_end", "val_auc", "called_end")
+    print("\n| arm | runs | " + " | ".join(f"mean {n}" for n in names) + " | lost the tool |")
+    print("|" + "---|" * (len(names) + 3))
+    for arm, rows in sorted(by_arm.items()):
+        means = [statistics.fmean(r[n] for r in rows) for n in names]
+        lost = sum(bool(r["lost_the_tool"]) for r in rows)
+        print(f"| {arm} | {len(rows)} | " + " | ".join(f"{m:.3f}" for m in means) + f" | {lost}/{len(rows)} |")
+    grpo = by_arm.get("grpo")
+    if grpo:
+        lost = sum(bool(r["lost_the_tool"]) for r in grpo)
+        print(f"\nFalsifier 1 (the testbed shows the failure: GRPO lost the tool on a majority): {lost}/{len(grpo)} "
+              f"runs -> {'not triggered' if lost > len(grpo) / 2 else 'TRIGGERED'}")
+    starts = {w: statistics.fmean(v) for w, v in sorted(start_by_warm.items())}
+    if starts:
+        low = [w for w, v in starts.items() if v < 0.3]
+        print("Falsifier 2, first half (pi_ref's held-out tool-call rate at step 0 >= 0.3 on every warm checkpoint): "
+              + ", ".join(f"warm {w}: {v:.3f}" for w, v in starts.items())
+              + f" -> {'TRIGGERED' if low else 'not triggered'}")
 
 
 def main(argv=None) -> int:
