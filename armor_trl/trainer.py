@@ -111,7 +111,7 @@ class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
                                train_dataset)
         checks.check_vllm_device(args)
         check_use_cpu(args)  # use_cpu under a launcher's DeepSpeed / FSDP on GPUs: refused before anything is built
-        self.reference = self.reference_server = self.anchor_rollout = None
+        self.reference = self.reference_server = self.anchor_rollout = self.group_resets = None
         # optimizer step ARMOR started at: 0, or None while it is dormant (collapse_guard="armor" before the switch)
         self.armor_started_at: int | None = None if args.collapse_guard == "armor" else 0
         self._round = Round()

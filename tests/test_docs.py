@@ -205,12 +205,87 @@ def test_user_docs_speak_of_machines_a_user_has():
                 f"{path.relative_to(REPO)}:{number}: {line.strip()}"
 
 
-def test_no_user_page_cites_an_internal_issue_number():
+# What a reader cannot open or place: an internal issue ("issue 44", "issues 9, 10", "#44"; an upstream one is named
+# with its repository, TRL#3708) and the project's own history ("main before f471e52", "the last round").
+INTERNAL = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w#/-])#\d+\b(?![\w-])|\bmain before\b|\bthe last round\b")
+PREREGISTRATIONS = sorted((REPO / "docs" / "preregistration").glob("*.md"))
+NOTE = re.compile(r"> \*\*Note added (\d{4}-\d{2}-\d{2}), not part of the registered text\.\*\*")
+
+
+def user_pages() -> list[Path]:
+    """The pages a user reads: the README, the CHANGELOG, every page under docs/ and the notebooks."""
+    return [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").rglob("*.md")),
+            *sorted((REPO / "notebooks").glob("*.ipynb"))]
+
+
+def prose(text: str) -> str:
+    """``text`` without code (fenced blocks, inline spans: `#432` is an answer, not an issue) and link targets."""
+    text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    return re.sub(r"`[^`\n]*`|\]\([^)\s]*\)", " ", text)
+
+
+def split_note(path: Path) -> tuple[str, str]:
+    """A pre-registration: (the dated note above it, the registered text under it, which is a record and keeps what
+    it registered, internal numbers included)."""
+    text = path.read_text()
+    title = re.search(r"^# Pre-registration", text, flags=re.M)
+    return (text[:title.start()], text[title.start():]) if title else ("", text)
+
+
+def test_no_user_page_names_an_internal_issue_or_the_projects_history():
     """A reader cannot open the project's issue tracker: provenance on a user page is a commit and a machine, history
-    is in CHANGELOG.md and git. An upstream issue is named with its repository (TRL#3708)."""
-    for page in [*PAGES, REPO / "CHANGELOG.md"]:
-        for number, line in enumerate(page.read_text().splitlines(), 1):
-            assert not re.search(r"\b[Ii]ssues? #?\d+", line), f"{page.relative_to(REPO)}:{number}: {line.strip()}"
+    is in CHANGELOG.md and git. Pre-registrations keep their registered text, under a note that explains it."""
+    found = []
+    for page in user_pages():
+        if page.suffix == ".ipynb":
+            import json
+
+            text = "\n".join("".join(cell["source"]) for cell in json.loads(page.read_text())["cells"])
+        else:
+            text = split_note(page)[0] if page in PREREGISTRATIONS else page.read_text()
+        for number, line in enumerate(prose(text).splitlines(), 1):
+            if INTERNAL.search(line):
+                found.append(f"{page.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_the_check_for_internal_issues_finds_them():
+    """The check above catches each form it is meant to, and leaves code, links and upstream issues alone."""
+    for wrong in ("as issue 44 asked", "(issues 9, 10)", "see #44.", "#44 fixed it", "on main before f471e52",
+                  "since the last round"):
+        assert INTERNAL.search(prose(wrong)), wrong
+    for right in ("the answer `#432`", "its `#### 72` line", "```\n#44\n```", "TRL#3708", "pytest-xdist#1386",
+                  "[1c](#1c-tuned)", "[section 1](#1-the-mode)", "## 2. A heading", "the last rounds of a batch"):
+        assert not INTERNAL.search(prose(right)), right
+
+
+# the pre-registrations whose registered text names internal issue numbers (the later ones name none)
+NAMING_ISSUES = [p for p in PREREGISTRATIONS if INTERNAL.search(prose(split_note(p)[1]))]
+
+
+def test_only_the_earlier_preregistrations_name_internal_issues():
+    assert [p.name for p in NAMING_ISSUES] == ["mode_testbed.md", "mode_testbed_carry_mix.md",
+                                               "mode_testbed_carry_mix_tuned.md"]
+
+
+@pytest.mark.parametrize("path", NAMING_ISSUES, ids=lambda p: p.name)
+def test_each_preregistration_has_a_dated_note_naming_its_registering_commit(path):
+    """The registered text is a record: where it names internal issue numbers, a dated note above it says what they
+    refer to and names the commit that registered it (the one that added the file); the note itself names no
+    internal issue."""
+    import subprocess
+
+    note, registered = split_note(path)
+    assert registered.startswith("# Pre-registration"), f"{path.name}: the registered text no longer starts the same"
+    assert NOTE.match(note), f"{path.name}: no dated note above the registered text"
+    assert "issue number" in note and "internal tracker" in note, f"{path.name}: the note does not explain the numbers"
+    assert not INTERNAL.search(prose(note))
+    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%h", "--abbrev=7", "--", str(path)], cwd=REPO,
+                           capture_output=True, text=True)
+    if added.returncode != 0 or not added.stdout.strip():
+        pytest.skip("no git history here (an unpacked archive): the registering commit cannot be looked up")
+    commit = added.stdout.split()[-1][:7]
+    assert f"commit {commit}" in note or f"{commit} (" in note, f"{path.name}: the note does not name {commit}"
 
 
 def test_files_the_docs_name_exist():
@@ -248,11 +323,43 @@ def _bench_table():
     return table
 
 
+# The cells of the bench table the README's cost sentence quotes, in the order it quotes them: online anchors at M = 1
+# and 16, anchors from a dataset column at M = 1 and 16, ARMOR's default in DAPO's loop at M = 16.
+README_QUOTES = (("armor_full", "M = 1"), ("armor_full", "M = 16"), ("armor_column", "M = 1"),
+                 ("armor_column", "M = 16"), ("armor_dynamic_eligible", "M = 16"))
+RATIO = re.compile(r"(\d+\.\d\d)×")
+
+
+def bench_cells(written: str) -> dict[tuple[str, str], str]:
+    """{(variant, "M = 4"): "1.11"} for every ratio cell of the bench table (a base's cells are seconds, left out)."""
+    lines = written.splitlines()
+    header = next(line for line in lines if line.startswith("| variant | against |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")][2:]
+    cells = {}
+    for line in lines:
+        row = re.match(r"\| .*\(`(\w+)`\) \| [^|]+ \|(.*)\|$", line)
+        if row:
+            for column, cell in zip(columns, row.group(2).split("|")):
+                ratio = RATIO.match(cell.strip())
+                if ratio:
+                    cells[(row.group(1), column)] = ratio.group(1)
+    return cells
+
+
+def readme_paragraphs() -> list[str]:
+    """The README's paragraphs, each on one line (outside code blocks)."""
+    text = re.sub(r"```.*?```", "", (REPO / "README.md").read_text(), flags=re.S)
+    return [" ".join(paragraph.split()) for paragraph in re.split(r"\n\s*\n", text) if paragraph.strip()]
+
+
 def test_the_pages_quote_the_bench_table_the_bench_wrote():
     """docs/bench_table.md is what `make bench-table` wrote (a measured run with its commit and machine, or the
-    statement that none was measured on the current code); docs/performance.md and the README hold it unchanged
-    between the bench-table markers, and every cost with a range the README quotes elsewhere is one of its cells."""
+    statement that none was measured on the current code); docs/performance.md holds it unchanged between the
+    bench-table markers. The README holds no copy (nor the bench's variant names): its cost sentence quotes cells of
+    the table, each checked against the table, with the table's commit and machine; any other ratio in the README
+    names its own commit."""
     table = _bench_table()
+    from benchmarks import config
     written = (REPO / table.TABLE_FILE).read_text().strip()
     assert written.startswith(table.GENERATED)
     measured = re.search(r"Measured by `make bench-table` at commit (\w+) on (.+?) \((\d+) CPUs\)", written)
@@ -264,13 +371,37 @@ def test_the_pages_quote_the_bench_table_the_bench_wrote():
     assert table.region(performance) == written
     assert performance.index(table.START) < performance.index("\n## ", performance.index("\n## ") + 1), \
         "the bench table is not at the top of docs/performance.md"
+
     readme = (REPO / "README.md").read_text()
-    if table.region(readme) is None:
-        pytest.skip("README.md has no bench-table region yet (`make bench-table` refuses to run without it)")
-    assert table.region(readme) == written
-    outside = readme.replace(table.region(readme), "")
-    for ratio, low, high in re.findall(r"(\d\.\d\d)× \((\d\.\d\d)–(\d\.\d\d)\)", outside):
-        assert f"{ratio}× ({low}–{high})" in written, f"the README quotes {ratio}× ({low}–{high}), not in the bench table"
+    assert table.region(readme) is None and table.START not in readme, "the README holds a copy of the bench table"
+    variants = [name for name in dict.fromkeys(row["variant"] for row in config.load().table["rows"])
+                if f"`{name}`" in readme]
+    assert not variants, f"the README names the bench's variants {variants}: quote the table in words"
+    paragraphs = readme_paragraphs()
+    quoting = [paragraph for paragraph in paragraphs if "`make bench-table` at commit" in paragraph]
+    if not measured:
+        assert not quoting, "the README quotes a bench table, but none is measured on the current code"
+        return
+    assert len(quoting) == 1, "the README's cost sentence (quoting the bench table) is missing or repeated"
+    cost = quoting[0]
+    quoted_run = re.search(r"`make bench-table` at commit (\w+) on (.+?) \((\d+) CPUs\)", cost)
+    assert quoted_run and quoted_run.groups() == measured.groups(), \
+        f"the README's cost sentence names another run than the table's: {quoted_run and quoted_run.group(0)}"
+    cells = bench_cells(written)
+    assert RATIO.findall(cost) == [cells[quote] for quote in README_QUOTES], \
+        (f"the README's cost sentence quotes {RATIO.findall(cost)}; the table's cells {README_QUOTES} are "
+         f"{[cells[quote] for quote in README_QUOTES]}")
+    sections = [section for page in sorted((REPO / "docs").glob("*.md"))
+                for section in re.split(r"\n(?=#+ )", page.read_text())]
+    for paragraph in paragraphs:
+        if paragraph is not cost and RATIO.search(paragraph):
+            commit = re.search(r"\bcommit ([0-9a-f]{7,})", paragraph)
+            assert commit and commit.group(1) != measured.group(1), \
+                f"a ratio in the README without its own commit (or quoting the bench table unchecked): {paragraph[:160]}"
+            sources = [section for section in sections if commit.group(1) in section]
+            for ratio in RATIO.findall(paragraph):
+                assert any(re.search(rf"(?<![\d.]){re.escape(ratio)}(?!\d)", section) for section in sources), \
+                    f"the README quotes {ratio}× from commit {commit.group(1)}; no docs section naming it holds {ratio}"
 
 
 def test_the_performance_page_quotes_every_further_bench_table_the_bench_wrote():

@@ -241,9 +241,11 @@ def test_environment_owned_data_without_a_dataset(tool_model, tool_tokenizer, tm
 
 def test_an_environment_that_draws_its_task_on_reset_is_refused_naming_why(tool_model, tool_tokenizer, tmp_path,
                                                                            monkeypatch):
+    draw = random.SystemRandom()  # a generator of its own (a group's resets share the global ones' state)
+
     class RandomWordEnvironment:
         def reset(self, **kwargs):
-            return random.choice(["cat", "dog", "owl", "bee", "ant", "elk"]) + "?"
+            return draw.choice(["cat", "dog", "owl", "bee", "ant", "elk", "emu", "yak", "fox", "hen"]) + "?"
 
     def reward_len(completions, **kwargs):
         return [float(len(c[-1]["content"])) for c in completions]

@@ -479,7 +479,7 @@ def test_the_support_table_states_what_the_matrix_runs():
     trained = [row for row in ROWS if refusal_of(row) is None]
     paper = sum((row["eligible"], row["sampling"]) != ("off", "eager") for row in trained)
     resumed = sum(row["resume"] == "yes" for row in trained)
-    assert f"{len(ROWS)} combinations" in section and f"{len(ROWS) + 2} test items" in section  # (and the two checks here)
+    assert f"{len(ROWS)} combinations" in section and f"{len(ROWS) + 3} test items" in section  # (and the three checks here)
     assert f"({paper} of them)" in section and f"resumed ({resumed})" in section
     assert f"{len(trained) + paper + resumed} short runs" in section
     assert all(f"`{loss}`" in section for loss in LOSS_TYPES)
@@ -490,3 +490,19 @@ def test_the_support_table_states_what_the_matrix_runs():
         first = words[a] if isinstance(words[a], str) else words[a][x]
         second = words[b] if isinstance(words[b], str) else words[b][y]
         assert any(line.startswith("|") and first in line and second in line for line in section.splitlines()), (a, b)
+
+
+def test_the_agent_feature_meets_several_processes():
+    """In the matrix the agent meets two (simulated) processes; real ones, DDP and ZeRO-3 with different turn counts
+    per process, run in tests/test_multiprocess_agent.py, which the table's processes row names."""
+    from testing import REPO
+
+    assert {row["agent"] for row in ROWS if row["processes"] == "two" and refusal_of(row) is None} >= {"tools",
+                                                                                                        "environment"}
+    multiprocess = (REPO / "tests" / "test_multiprocess_agent.py").read_text()
+    assert "def test_zero3_agent_with_unequal_turn_counts_trains_with_anchors" in multiprocess
+    assert "def test_ddp_agent_with_unequal_turn_counts_trains_with_anchors" in multiprocess
+    text = (REPO / "docs" / "anchors.md").read_text()
+    row = next(line for line in text[text.index("## Which features combine"):].splitlines()
+               if line.startswith("| processes |"))
+    assert "test_multiprocess_agent.py" in row and "DDP" in row and "ZeRO-3" in row

@@ -156,7 +156,7 @@ def test_readme_install_section_names_the_extras(project):
     readme = (REPO / "README.md").read_text()
     install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
     rows = {row.split("`")[1] for row in install.splitlines() if row.startswith("| `")}
-    assert rows == set(project["optional-dependencies"]) - {"real"}  # [real] is documented with the real model
+    assert rows == set(project["optional-dependencies"])  # every extra, [real] (for `armor-trl demo --real`) included
     assert 'pip install ".[vllm,deepspeed]"' in install
     low, high = sorted((Version(s.version) for s in trl_extra("vllm")["vllm"].specifier))
     assert f"vLLM {low}–{high}" in install

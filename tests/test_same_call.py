@@ -95,7 +95,8 @@ def test_reference_logps_of_a_same_call_round_are_the_old_policy_logps(
             ref = original_forward(trainer.reference.model, output)
         rounds.append({"step": trainer.state.global_step, "same_call": trainer.anchor_rollout.same_call_round,
                        "ref": output["armor_ref_logps"].clone(), "old": output["old_per_token_logps"].clone(),
-                       "forward": ref, "mask": output["completion_mask"].bool().clone()})
+                       "forward": ref, "mask": output["completion_mask"].bool().clone(),
+                       "kept": output["armor_loss_row"].clone()})
         return output
 
     trainer._generate_and_score_completions = recording
@@ -105,8 +106,8 @@ def test_reference_logps_of_a_same_call_round_are_the_old_policy_logps(
     for r in rounds:
         mask = r["mask"]
         assert torch.allclose(r["ref"][mask], r["forward"][mask], atol=1e-5)  # π_ref's log-probs, either way
-        if r["same_call"]:
-            assert torch.equal(r["ref"], r["old"])
+        if r["same_call"]:  # (rows out of the loss carry 0, marked by armor_loss_row)
+            assert torch.equal(r["ref"][r["kept"]], r["old"][r["kept"]]) and (r["ref"][~r["kept"]] == 0).all()
         else:
             assert not torch.allclose(r["ref"][mask], r["old"][mask], atol=1e-3)  # the policy has moved
 

@@ -322,6 +322,17 @@ def test_study_folder_takes_more_warm_checkpoints_but_not_other_ones(tmp_path):
         plan.check_study_folder(tmp_path, {**folder, "model": "a"})
 
 
+def test_study_folder_keeps_its_runs_when_only_the_demos_own_settings_change(tmp_path):
+    """`armor-trl demo`'s arms, seeds and overrides shape the demo alone; the demo's warm-up shapes every run."""
+    warmup = {"kind": "tool_agent", "steps": 1200, "seed": 0}
+    folder = {"smoke_overrides": {}, "arms": {"grpo": {}}, "model": "a"}
+    plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 1, "demo": {"warmup": warmup}}})
+    plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 1, "demo": {
+        "warmup": warmup, "arms": ["grpo", "armor"], "seeds": 1, "overrides": {"max_steps": 60}}}})
+    with pytest.raises(ValueError, match="different recipe"):
+        plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 1, "demo": {"warmup": {**warmup, "steps": 9}}}})
+
+
 def test_study_folder_keeps_its_runs_when_only_the_study_section_changes(tmp_path):
     """The study: section (which runs, which comparisons, a criterion) does not change how a run trains; any other
     recipe key does."""

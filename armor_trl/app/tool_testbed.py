@@ -7,7 +7,14 @@ The warm start's conversations, per problem (shares set by :func:`build_tool_age
 * the tool way: ``add(a, b)``, then the answer copied from the tool's result;
 * a wrong tool name first (``wrong_name_share``): ``sum(a, b)``, which TRL answers with its error result (a tool
   failure), then ``add``, then the answer: so the agent's tool failures are real TRL failures;
-* no tool (``direct_share``): the answer written at once, which a model this small gets right only sometimes.
+* no tool (``direct_share``): the answer written at once, which a model this small gets right only sometimes;
+* a timed-out call first (``retry_share``): ``add`` answered with TRL's error result for a tool that raised
+  (``{'error': 'add timed out'}``), then ``add`` again, then the answer: the retry a flaky tool needs.
+
+:func:`unreliable` wraps a tool so that a share of its calls raise (a tool that times out, as real tools do): TRL's loop
+answers such a call with its error result and counts a failure. The tool-use testbed (configs/tool_use_testbed.yaml,
+docs/evidence.md) trains on 1-digit problems, which the agent can answer without the tool, with an ``add`` that times out
+on a share of calls, and validates on 2-digit problems, which only the tool solves.
 
 The tools a recipe may name (``tools: [add]``) are :data:`TOOLS`; :func:`resolve_tools` also takes import paths.
 ``python -m armor_trl.app.tool_testbed <folder>`` writes the warm-started model and prints its calibration.
@@ -15,6 +22,7 @@ The tools a recipe may name (``tools: [add]``) are :data:`TOOLS`; :func:`resolve
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -37,24 +45,51 @@ def add(a: int, b: int) -> int:
 
 TOOLS = {"add": add}  # the tools a recipe names (`tools: [add]`)
 WRONG_TOOL = "sum"  # the name the warm start sometimes tries first: not a tool, so TRL's call fails
+TIMEOUT = "{name} timed out"  # what an unreliable tool raises (TRL writes it into its error result)
 
 
-def resolve_tools(names) -> list:
-    """The tool functions of ``names``: a name of :data:`TOOLS` or an import path ``pkg.mod:func``."""
+def unreliable(tool, failure_rate: float, seed: int = 0):
+    """``tool`` with a share ``failure_rate`` of its calls raising ``TimeoutError`` (drawn from its own generator,
+    seeded ``seed``, so a run's failures repeat with its seed); same name, signature and docstring, so TRL builds
+    the same schema."""
+    if not 0.0 <= failure_rate < 1.0:
+        raise ValueError(f"tool_failure_rate must lie in [0, 1), got {failure_rate!r}.")
+    if failure_rate == 0.0:
+        return tool
+    rng = random.Random(f"{seed}-{tool.__name__}")
+
+    @functools.wraps(tool)
+    def flaky(*args, **kwargs):
+        if rng.random() < failure_rate:
+            raise TimeoutError(TIMEOUT.format(name=tool.__name__))
+        return tool(*args, **kwargs)
+
+    return flaky
+
+
+def resolve_tools(names, failure_rate: float = 0.0, seed: int = 0) -> list:
+    """The tool functions of ``names``: a name of :data:`TOOLS` or an import path ``pkg.mod:func``; with
+    ``failure_rate`` > 0 each made :func:`unreliable` (seeded ``seed``)."""
     tools = []
     for name in names or []:
         if name in TOOLS:
             tools.append(TOOLS[name])
-            continue
-        if ":" not in name:
+        elif ":" not in name:
             raise ValueError(f"Unknown tool {name!r}: expected one of {sorted(TOOLS)} or an import path "
                              "'pkg.module:function'.")
-        tools.append(import_callable(name, *name.split(":", 1), "tool"))
-    return tools
+        else:
+            tools.append(import_callable(name, *name.split(":", 1), "tool"))
+    return [unreliable(tool, failure_rate, seed) for tool in tools]
+
+
+WAYS = ("tool", "wrong_name", "direct", "retry")
 
 
 def conversation(a: int, b: int, way: str) -> list[dict]:
-    """The warm start's conversation for ``a+b=`` solved ``way``: "tool", "wrong_name" or "direct"."""
+    """The warm start's conversation for ``a+b=`` solved ``way`` (:data:`WAYS`): "tool", "wrong_name", "direct" or
+    "retry" (a timed-out ``add`` first)."""
+    if way not in WAYS:
+        raise ValueError(f"Unknown way {way!r}: expected one of {list(WAYS)}.")
 
     def call(name):
         return {"role": "assistant", "content": "",
@@ -65,7 +100,10 @@ def conversation(a: int, b: int, way: str) -> list[dict]:
     if way == "wrong_name":
         messages += [call(WRONG_TOOL), {"role": "tool", "name": WRONG_TOOL,
                                         "content": str({"error": f"Tool {WRONG_TOOL} not found."})}]
-    if way in ("tool", "wrong_name"):
+    if way == "retry":
+        messages += [call("add"), {"role": "tool", "name": "add",
+                                   "content": str({"error": TIMEOUT.format(name="add")})}]
+    if way in ("tool", "wrong_name", "retry"):
         messages += [call("add"), {"role": "tool", "name": "add", "content": str(a + b)}]
     return messages + [answer]
 
@@ -88,27 +126,40 @@ def supervised_example(tokenizer, messages: list[dict]) -> tuple[list[int], list
     return ids, labels
 
 
-def warm_start_examples(tokenizer, n: int, seed: int, digits: int = 1, wrong_name_share: float = 0.2,
-                        direct_share: float = 0.2) -> list[tuple[list[int], list[int]]]:
-    """``n`` supervised examples on random ``digits``-digit problems, each solved one of the three ways."""
+def warm_start_examples(tokenizer, n: int, seed: int, digits: int | dict = 1, wrong_name_share: float = 0.2,
+                        direct_share: float = 0.2, retry_share: float = 0.0,
+                        exclude: set | None = None) -> list[tuple[list[int], list[int]]]:
+    """``n`` supervised examples on random problems, each solved one of the ways (the rest of the shares: "tool").
+    ``digits``: digits per operand, or ``{digits: weight}`` to draw them per problem; problems ``"a+b="`` in
+    ``exclude`` (held-out ones) are never drawn."""
+    if min(wrong_name_share, direct_share, retry_share) < 0 or wrong_name_share + direct_share + retry_share > 1:
+        raise ValueError("the warm start's way shares (wrong_name, direct, retry) must be >= 0 and sum to at most 1, "
+                         f"got {wrong_name_share}, {direct_share}, {retry_share}.")
+    mix = digits if isinstance(digits, dict) else {digits: 1.0}
     rng = random.Random(seed)
-    low, high = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
     examples = []
-    for _ in range(n):
+    while len(examples) < n:
+        d = rng.choices(list(mix), weights=list(mix.values()))[0]
+        low, high = 10 ** (d - 1) if d > 1 else 0, 10**d - 1
+        a, b = rng.randint(low, high), rng.randint(low, high)
         draw = rng.random()
-        way = "direct" if draw < direct_share else "wrong_name" if draw < direct_share + wrong_name_share else "tool"
-        examples.append(supervised_example(tokenizer, conversation(rng.randint(low, high), rng.randint(low, high),
-                                                                   way)))
+        way = ("direct" if draw < direct_share else "wrong_name" if draw < direct_share + wrong_name_share
+               else "retry" if draw < direct_share + wrong_name_share + retry_share else "tool")
+        if exclude and f"{a}+{b}=" in exclude:
+            continue
+        examples.append(supervised_example(tokenizer, conversation(a, b, way)))
     return examples
 
 
 def build_tool_agent(path: str | os.PathLike, steps: int = 800, seed: int = 0, hidden_size: int = 64,
-                     num_layers: int = 2, batch_size: int = 32, learning_rate: float = 3e-3, digits: int = 1,
-                     wrong_name_share: float = 0.2, direct_share: float = 0.2, threads: int | None = 1) -> str:
+                     num_layers: int = 2, batch_size: int = 32, learning_rate: float = 3e-3, digits: int | dict = 1,
+                     wrong_name_share: float = 0.2, direct_share: float = 0.2, threads: int | None = 1,
+                     retry_share: float = 0.0, exclude: set | None = None) -> str:
     """Write the warm-started tool agent to ``path`` (model and tool-calling tokenizer, ``save_pretrained``); return
-    the path. ``steps`` supervised steps of ``batch_size`` conversations (fresh problems each step), AdamW at
-    ``learning_rate``, on ``threads`` torch threads (None: as set; a model this small trains fastest on one, and
-    several spin against each other on a busy machine); deterministic for ``seed`` on one machine."""
+    the path. ``steps`` supervised steps of ``batch_size`` conversations (fresh problems each step; ``digits``,
+    the shares and ``exclude`` as :func:`warm_start_examples`), AdamW at ``learning_rate``, on ``threads`` torch
+    threads (None: as set; a model this small trains fastest on one, and several spin against each other on a busy
+    machine); deterministic for ``seed`` on one machine."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,7 +173,8 @@ def build_tool_agent(path: str | os.PathLike, steps: int = 800, seed: int = 0, h
     torch.set_num_threads(threads or threads_before)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    examples = warm_start_examples(tokenizer, steps * batch_size, seed, digits, wrong_name_share, direct_share)
+    examples = warm_start_examples(tokenizer, steps * batch_size, seed, digits, wrong_name_share, direct_share,
+                                   retry_share, exclude)
     model.train()
     for step in range(steps):
         batch = examples[step * batch_size : (step + 1) * batch_size]

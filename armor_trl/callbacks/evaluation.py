@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from armor_trl.callbacks import tool_evaluation
 from armor_trl.integration import trl_generation
 from armor_trl.algorithm.mixture import sequence_log_ratios
 from armor_trl.rewards import completion_text
@@ -122,7 +123,8 @@ def score_with_reasons(
     reasons: list[str | None] = []
     for i, samples in enumerate(completions):
         conversational = not isinstance(dataset[i]["prompt"], str)
-        batch = [[{"role": "assistant", "content": s}] if conversational else s for s in samples]
+        # a sample is its text, or (an agent's) the messages TRL's reward functions get
+        batch = [[{"role": "assistant", "content": s}] if conversational and isinstance(s, str) else s for s in samples]
         kwargs = {c: [values[i]] * len(samples) for c, values in columns.items()}
         rewards = verifier(batch, prompts=[dataset[i]["prompt"]] * len(samples), **kwargs)
         reason = _unjudged_reason({c: values[i] for c, values in columns.items()}, rewards)
@@ -258,10 +260,15 @@ def _all_gather(value) -> list:
 
 
 def sample_ids_with_trainer(trainer, all_ids: list[list[int]], indices: list[int], draws: int, seed: int,
-                            per_call: int, temperature: float, top_p: float, max_new_tokens: int) -> list[list[list[int]]]:
+                            per_call: int, temperature: float, top_p: float, max_new_tokens: int,
+                            sample_rows: Callable | None = None) -> list[list]:
     """``draws`` completions (token ids) for each prompt ``all_ids[i]``, ``i`` in ``indices``, through the trainer's
     generation path with these sampling settings; each call holds ``per_call`` prompts and is seeded from its first
-    (:func:`problem_seed`). The global RNG state and the model's train/eval mode are restored."""
+    (:func:`problem_seed`). The global RNG state and the model's train/eval mode are restored. ``sample_rows(row
+    indices, row ids, draws)`` samples a call's rows instead (an agent's trajectories:
+    :func:`armor_trl.callbacks.tool_evaluation.trajectory_sampler`)."""
+    if sample_rows is None:
+        sample_rows = lambda rows, ids, n: trl_generation.generate(trainer, ids, n)  # noqa: E731
     model, was_training = trainer.model, trainer.model.training
     device = trainer.accelerator.device
     groups: list[list[list[int]]] = []
@@ -272,7 +279,8 @@ def sample_ids_with_trainer(trainer, all_ids: list[list[int]], indices: list[int
             for start in range(0, len(indices), per_call):
                 chunk = indices[start : start + per_call]
                 torch.manual_seed(problem_seed(seed, chunk[0]))
-                ids = trl_generation.generate(trainer, [all_ids[i] for i in chunk for _ in range(draws)], draws)
+                rows = [i for i in chunk for _ in range(draws)]
+                ids = sample_rows(rows, [all_ids[i] for i in rows], draws)
                 groups += [ids[j * draws : (j + 1) * draws] for j in range(len(chunk))]
     finally:
         model.train(was_training)
@@ -299,20 +307,33 @@ def evaluate_with_trainer(trainer, dataset, verifier: Callable, k: int = 8, num_
     tokenizer = trainer.processing_class
     all_ids = _prompt_ids(tokenizer, dataset["prompt"])
     indices, real = shard(len(all_ids), trainer.accelerator.process_index, trainer.accelerator.num_processes)
-    groups = sample_ids_with_trainer(trainer, all_ids, indices, draws, seed, max(1, batch_size // draws), temperature,
-                                     sampling["top_p"], sampling["max_new_tokens"])
-    completions = [tokenizer.batch_decode(ids, skip_special_tokens=True) * (n // draws) for ids in groups]
+    settings = (max(1, batch_size // draws), temperature, sampling["top_p"], sampling["max_new_tokens"])
+    calls = None
+    if trl_generation.uses_tools(trainer):  # an agent: each sample runs through TRL's tool loop
+        trajectories = sample_ids_with_trainer(trainer, all_ids, indices, draws, seed, *settings,
+                                               sample_rows=tool_evaluation.trajectory_sampler(trainer, dataset["prompt"]))
+        completions = [[t.messages for t in group] * (n // draws) for group in trajectories]
+        texts = [tokenizer.batch_decode([t.completion_ids for t in group], skip_special_tokens=True) * (n // draws)
+                 for group in trajectories]  # what a mode classifier reads: the whole trajectory, tool calls included
+        calls = [[t.calls for t in group] * (n // draws) for group in trajectories[:real]]
+    else:
+        groups = sample_ids_with_trainer(trainer, all_ids, indices, draws, seed, *settings)
+        completions = texts = [tokenizer.batch_decode(ids, skip_special_tokens=True) * (n // draws) for ids in groups]
     own = indices[:real]
     counts, reasons = score_with_reasons(completions[:real], dataset.select(own), verifier) if own else ([], [])
-    local = [(i, c, r, group[:2]) for i, c, r, group in zip(own, counts, reasons, completions)]
+    local = [(i, c, r, group[:2]) for i, c, r, group in zip(own, counts, reasons, texts)]
     rows = sorted((row for part in _all_gather(local) for row in part), key=lambda row: row[0])
     if [row[0] for row in rows] != list(range(len(all_ids))):
         raise RuntimeError(f"validation gathered problems {[row[0] for row in rows]}, expected 0..{len(all_ids) - 1}")
-    samples = [[completion_text(s) for s in row[3]] for row in rows[:4]]
+    samples = [list(row[3]) for row in rows[:4]]
     result = summarize([row[1] for row in rows], [row[2] for row in rows], dataset, n, k, samples)
     if classify is not None:  # collective, like the gather above: every process has the same classify
-        modes = sum(_all_gather(mode_counts(completions[:real], classify)), Counter())
+        modes = sum(_all_gather(mode_counts(texts[:real], classify)), Counter())
         result["mode_shares"] = mode_shares(modes, classify)
+    if calls is not None:  # collective: the tool calls of every process's samples
+        per_sample = [c for part in _all_gather(calls) for group in part for c in group]
+        result["tool_call_rate"] = sum(c > 0 for c in per_sample) / len(per_sample)
+        result["tool_calls"] = sum(per_sample) / len(per_sample)
     return result
 
 

@@ -158,6 +158,9 @@ class ValidationCallback(TrainerCallback):
                 values.setdefault(f"{prefix}pass@{j}", value)
             for mode, share in result.get("mode_shares", {}).items():
                 values[f"{prefix}mode/{mode}"] = share
+            for key in ("tool_call_rate", "tool_calls"):  # an agent's (a trainer with tools)
+                if key in result:
+                    values[prefix + key] = result[key]
         if self.start_kl is not None:  # collective, like validation through the trainer
             values.update({f"val/{key}": value for key, value in self.start_kl.measure(state.global_step).items()})
         return values

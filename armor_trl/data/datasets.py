@@ -267,7 +267,14 @@ def arithmetic_problems(n: int, seed: int | str = 0, digits: int = 2, exclude: s
     pool = (high - low + 1) ** 2
     if keep is not None and pool <= 10**6:  # counting the kept pairs of 4+ digits would take minutes
         pool = sum(keep(a, b) for a in range(low, high + 1) for b in range(low, high + 1))
-    if n > pool - len(exclude or ()):
+    def drawable(prompt: str) -> bool:  # an excluded problem takes a place in the pool only if it could be drawn
+        match = re.fullmatch(r"(\d+)\+(\d+)=", prompt)
+        if match is None:
+            return False
+        a, b = int(match.group(1)), int(match.group(2))
+        return low <= a <= high and low <= b <= high and (keep is None or keep(a, b))
+
+    if n > pool - sum(map(drawable, exclude or ())):
         raise ValueError(f"cannot draw {n} distinct {digits}-digit problems")
     seen, problems = set(exclude or ()), []
     while len(problems) < n:
@@ -282,17 +289,20 @@ def arithmetic_problems(n: int, seed: int | str = 0, digits: int = 2, exclude: s
 def arithmetic_splits(
     train_size: int, eval_size: int, seed: int = 0, digits: int = 2, chat: bool = False, system_prompt: str | None = None,
     train_filter: str | None = None, eval_filter: str | None = None, train_carry_share: float | None = None,
+    eval_digits: int | None = None,
 ) -> tuple[Dataset, Dataset]:
     """Disjoint train and held-out sets of the synthetic addition task, as ``prompt``/``answer`` datasets.
 
     The held-out set depends only on (``eval_size``, ``seed``, ``digits``, ``eval_filter``): changing the training
     set's size keeps the same held-out problems (and a larger training set extends a smaller one). ``train_filter``
-    and ``eval_filter`` (keys of :data:`ARITHMETIC_FILTERS`) restrict the training and the held-out problems.
+    and ``eval_filter`` (keys of :data:`ARITHMETIC_FILTERS`) restrict the training and the held-out problems;
+    ``eval_digits`` (default ``digits``) sets the held-out problems' digits per operand.
     """
     for name, value in (("arithmetic_train_filter", train_filter), ("arithmetic_eval_filter", eval_filter)):
         if value is not None and value not in ARITHMETIC_FILTERS:
             raise ValueError(f"Unknown {name} {value!r}: expected one of {sorted(ARITHMETIC_FILTERS)}.")
-    held_out = arithmetic_problems(eval_size, seed, digits, keep=ARITHMETIC_FILTERS.get(eval_filter))
+    held_out = arithmetic_problems(eval_size, seed, digits if eval_digits is None else eval_digits,
+                                   keep=ARITHMETIC_FILTERS.get(eval_filter))
     train = arithmetic_train_problems(train_size, seed, digits, held_out, train_filter, train_carry_share)
 
     def to_dataset(rows):

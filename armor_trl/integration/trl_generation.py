@@ -344,3 +344,48 @@ def environments_as(trainer: GRPOTrainer, environments: list | None):
         yield
     finally:
         trainer.environments = saved
+
+
+# --- equal generation calls on every process during the tool loop (armor_trl.rollout.tool_turns) ----------------------
+def generation_is_collective(trainer: GRPOTrainer) -> bool:
+    """Whether one call of TRL's generation path is a collective over the processes, so that every process must make
+    as many calls as the others: DeepSpeed ZeRO-3 (the parameters gathered for ``generate``, or each forward's shards
+    with ``ds3_gather_for_generation=False``; transformers' ``generate`` then also syncs every decoding step), FSDP
+    (``summon_full_params``, sharded forwards), vLLM in server mode (the prompts gathered to the main process) and vLLM
+    colocated with tensor parallelism (the prompts gathered within each group). Under DDP, or alone, each process
+    generates on its own."""
+    if trainer.accelerator.num_processes < 2:
+        return False
+    if trainer.use_vllm:
+        return trainer.vllm_mode == "server" or getattr(trainer.vllm_generation, "tensor_parallel_size", 1) > 1
+    if trainer.is_deepspeed_enabled:
+        return trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    return trainer.is_fsdp_enabled
+
+
+def throwaway_turn(trainer: GRPOTrainer, prompt_ids: list[int]) -> None:
+    """One generation call on TRL's path (the model routed in now) for one row whose completion nobody reads: what a
+    process whose tool loop has finished makes while another's still generates, so that the collective calls match."""
+    GRPOTrainer._generate_single_turn(trainer, [list(prompt_ids)], None, {}, 1)
+
+
+def wrap_environment_resets(trainer: GRPOTrainer, hook) -> None:
+    """Make every environment instance's ``reset`` (those in TRL's pool and every one its factories make from now on,
+    the candidates' among them) call ``hook(reset, **kwargs)`` instead; an instance that takes no new attribute
+    keeps its own."""
+
+    def wrapped(instance):
+        reset = instance.reset
+        try:
+            instance.reset = lambda **kwargs: hook(reset, **kwargs)
+        except (AttributeError, TypeError):
+            pass
+        return instance
+
+    def factory_of(make):
+        return lambda: wrapped(make())
+
+    for pool in trainer._environment_pool.values():
+        for instance in pool:
+            wrapped(instance)
+    trainer.environment_factories = {name: factory_of(make) for name, make in trainer.environment_factories.items()}

@@ -31,14 +31,14 @@ def checked(func, name: str):
             values = func(*args, **kwargs)
         except Exception as error:  # re-raised with the function's name; the original stays chained
             raise RewardFunctionError(f"Reward function {name!r} raised {type(error).__name__}: {error}") from error
-        expected = len(kwargs["completions"])
+        expected = rows_of(kwargs)
         if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
             raise RewardFunctionError(
                 f"Reward function {name!r} must return a list of floats (or None), one per completion; "
                 f"got {type(values).__name__}."
             )
         values = list(values.tolist() if hasattr(values, "tolist") else values)
-        if len(values) != expected:
+        if expected is not None and len(values) != expected:
             raise RewardFunctionError(
                 f"Reward function {name!r} returned {len(values)} rewards for {expected} completions; it must return "
                 "exactly one (a float, or None where it cannot judge) per completion."
@@ -57,3 +57,16 @@ def checked(func, name: str):
         return values
 
     return reward_with_checks
+
+
+ROW_FIELDS = ("completions", "prompts", "completion_ids", "environments")  # one entry per row where TRL passes them
+
+
+def rows_of(kwargs: dict) -> int | None:
+    """How many rewards a call must return: one per row of the first per-row field it was given (TRL passes them
+    all; a direct call may pass only some, e.g. an environment-owned reward called with ``environments=[...]``);
+    None where it was given none of them."""
+    for name in ROW_FIELDS:
+        if isinstance(kwargs.get(name), (list, tuple)):
+            return len(kwargs[name])
+    return None

@@ -95,7 +95,20 @@ def max_completion_chars(digits: int) -> int:
     return digits * 8 + (digits - 1) + 1 + (digits + 1) + 1
 
 
-CLASSIFIERS: dict[str, Callable[[str], str]] = {"arithmetic": classify, "arithmetic_carries": classify_carries}
+TOOL, NO_TOOL = "tool", "no_tool"
+TOOL_CALL_OPEN = "<tool_call>"  # how a Qwen-style chat template (and the tiny agent's) writes a tool call
+
+
+def classify_tool_use(text: str) -> str:
+    """``tool`` when an agent's trajectory (its decoded completion: model turns and tool results) writes a tool call
+    (``<tool_call>``, the Qwen-style tag), else ``no_tool``: the mode of the tool-use testbed."""
+    return TOOL if TOOL_CALL_OPEN in text else NO_TOOL
+
+
+classify_tool_use.modes = (TOOL, NO_TOOL)
+
+CLASSIFIERS: dict[str, Callable[[str], str]] = {"arithmetic": classify, "arithmetic_carries": classify_carries,
+                                                "tool_use": classify_tool_use}
 
 
 def has_carry(a: int, b: int) -> bool:
@@ -116,7 +129,17 @@ def prompt_needs_carry(prompt: str) -> str:
     return "carry" if has_carry(int(match.group(1)), int(match.group(2))) else "no_carry"
 
 
-PROMPT_CLASSIFIERS: dict[str, Callable[[str], str]] = {"arithmetic_needs_carry": prompt_needs_carry}
+def prompt_operand_digits(prompt: str) -> str:
+    """The type of an addition prompt's text by its longer operand: ``1_digit``, ``2_digit``, ...; ``other`` when the
+    text holds no problem ``a+b=`` (the tool-use testbed: 1-digit problems need no tool, longer ones do)."""
+    match = re.search(r"(\d+)\+(\d+)=", prompt)
+    if match is None:
+        return OTHER
+    return f"{max(len(match.group(1)), len(match.group(2)))}_digit"
+
+
+PROMPT_CLASSIFIERS: dict[str, Callable[[str], str]] = {"arithmetic_needs_carry": prompt_needs_carry,
+                                                       "arithmetic_digits": prompt_operand_digits}
 
 
 def resolve_prompt_classifier(name: str, field: str = "anchor_mode_prompt_classifier") -> Callable[[str], str]:

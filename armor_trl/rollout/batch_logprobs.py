@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from armor_trl.algorithm.loss_rows import count_on_policy
+from armor_trl.algorithm.loss_rows import KEPT_ROWS, count_on_policy
 from armor_trl.integration import trl_generation
 
 
@@ -40,6 +40,11 @@ def add_logprobs(trainer, output: dict) -> None:
         model = reference.model if reference.kind == "full" else trainer.model
         with reference.active(trainer.unwrapped_policy()):
             output["armor_ref_logps"] = trainer._completion_logps(model, output)
+    if "armor_ref_logps" in output and KEPT_ROWS in output:
+        # a row out of the loss (an empty anchor slot, a dropped group) was scored with its completion masked from
+        # attention: its π_ref log-probs mean nothing, so it carries 0, marked by KEPT_ROWS (False) beside it
+        kept = output[KEPT_ROWS].to(output["armor_ref_logps"].device).unsqueeze(1)
+        output["armor_ref_logps"] = torch.where(kept, output["armor_ref_logps"], 0.0)
     if args.off_policy_ratio:
         if output.get("old_per_token_logps") is None:
             output["old_per_token_logps"] = trainer._completion_logps(trainer.model, output)

@@ -21,14 +21,20 @@ its tool results out of the mixed ratio, π_ref's and π_old's log-probs and the
 
 An anchor compares trajectories from one initial state. Each environment reset must therefore reproduce the group's
 state from the row it is given: an environment that samples its own task on ``reset`` (environment-owned data drawing
-a new word each time) gives a group's rows different prompts, and anchors are refused there at the first round, with
-the fix named.
+a new word each time from a generator of its own) gives a group's rows different prompts, and anchors are refused
+there at the first round, with the fix named. Draws from the global random generators are made alike within a group
+(:mod:`~armor_trl.rollout.environment_resets`), shown in the prompt or hidden.
+
+Every loop here and TRL's own loop elsewhere agree their generation calls with the other processes where a call is
+collective (:mod:`~armor_trl.rollout.tool_turns`: ZeRO-3 and others, with different turn counts per process).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -39,8 +45,8 @@ from armor_trl.integration import trl_seam as seam
 from armor_trl.rollout.anchor_rollout import AnchorRollout
 from armor_trl.rollout.anchors import policy_rows
 from armor_trl.rollout.rollout_func import RolloutFuncAnchors
-
-TOOL_ERROR = "{'error': "  # how TRL writes a failed tool call's result into its tool message
+from armor_trl.rollout.environment_resets import GroupResets
+from armor_trl.rollout.tool_turns import before_turn, turns_agreed
 
 
 @dataclass
@@ -60,11 +66,13 @@ class Trajectory:
 
 class MessageLog(list):
     """A row's messages for TRL's loop that remember every tool result appended, also the ones TRL removes again when
-    they would overflow ``max_completion_length``: TRL counts those calls too."""
+    they would overflow ``max_completion_length`` (TRL counts those calls too), and how many of its calls returned
+    (:func:`counted_tools`)."""
 
     def __init__(self, messages):
         super().__init__(messages)
         self.tool_results = []
+        self.returned = 0  # tool calls of this row whose tool returned (did not raise)
 
     def append(self, message):
         if isinstance(message, dict) and message.get("role") == "tool":
@@ -72,9 +80,36 @@ class MessageLog(list):
         super().append(message)
 
     def counts(self) -> tuple[int, int]:
-        """(calls, failures): one tool result per call TRL ran; a failure is TRL's error result."""
-        failed = [m for m in self.tool_results if isinstance(m["content"], str) and m["content"].startswith(TOOL_ERROR)]
-        return len(self.tool_results), len(failed)
+        """(calls, failures) as TRL counts them: one tool result per call TRL ran; a failure is a call whose tool
+        raised, or that named no tool of the row, or was of a type TRL does not run, i.e. every call whose tool did
+        not return (a tool that returns ``{"error": ...}`` as its result succeeded)."""
+        return len(self.tool_results), len(self.tool_results) - self.returned
+
+
+def counted_tools(row, log: MessageLog):
+    """``row`` (a :class:`~armor_trl.integration.trl_generation.ToolRow`) with each tool wrapped to count the calls
+    that return in ``log``; what TRL's loop gets for that row."""
+
+    def counted(tool):
+        @functools.wraps(tool)
+        def call(*args, **kwargs):
+            result = tool(*args, **kwargs)
+            log.returned += 1
+            return result
+
+        return call
+
+    def counted_async(tool):
+        @functools.wraps(tool)
+        async def call(*args, **kwargs):
+            result = await tool(*args, **kwargs)
+            log.returned += 1
+            return result
+
+        return call
+
+    return dataclasses.replace(row, sync_tools={name: counted(tool) for name, tool in row.sync_tools.items()},
+                               async_tools={name: counted_async(tool) for name, tool in row.async_tools.items()})
 
 
 def in_tool_turns(trainer) -> bool:
@@ -103,7 +138,10 @@ class ToolRound:
 class ToolLoopHooks:
     """ArmorGRPOTrainer's hooks into TRL's tool loop (a mixin before GRPOTrainer): ``_generate`` starts each round's
     :class:`ToolRound` (``trainer.tool_round``), and ``_tool_call_loop`` answers for an anchored round whose
-    trajectories the anchor rollout ran already; elsewhere TRL's loop runs, its turns marked (:func:`in_tool_turns`)."""
+    trajectories the anchor rollout ran already; elsewhere TRL's loop runs, its turns marked (:func:`in_tool_turns`)
+    and agreed with the other processes (:mod:`~armor_trl.rollout.tool_turns`). An anchored round's environment resets
+    start alike per group (:mod:`~armor_trl.rollout.environment_resets`); ``train`` closes the candidates'
+    environments."""
 
     tool_round: ToolRound | None = None
 
@@ -111,11 +149,27 @@ class ToolLoopHooks:
         self.tool_round = ToolRound(prompts)
         return super()._generate(prompts)
 
-    def _tool_call_loop(self, *loop_args):
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # π_ref's candidates' environment instances, closed where they define close()
+            getattr(self.anchor_rollout, "close_environments", lambda: None)()
+
+    def _generate_and_score_completions(self, inputs):
+        if self.group_resets is not None and self._round.inputs is not None:  # an anchored round (ArmorGRPOTrainer's)
+            self.group_resets.start_round(len(inputs), self.num_generations)  # TRL resets its rows' environments next
+        return super()._generate_and_score_completions(inputs)
+
+    def _tool_call_loop(self, prompts, prompt_ids, *loop_args):
         if self.tool_round is not None and self.tool_round.trajectories is not None:
-            return finished_loop(self.tool_round.trajectories, *loop_args)
-        with tool_turns(self):
-            return super()._tool_call_loop(*loop_args)
+            return finished_loop(self.tool_round.trajectories, prompts, prompt_ids, *loop_args)
+        with tool_turns(self), turns_agreed(self, prompt_ids):
+            return super()._tool_call_loop(prompts, prompt_ids, *loop_args)
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        if in_tool_turns(self):  # a turn after a tool result: agreed with the other processes where calls are collective
+            before_turn(self)
+        return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
 
 def new_anchor_rollout(trainer, train_dataset, rollout_func=None) -> AnchorRollout:
@@ -139,12 +193,16 @@ class ToolAnchorRollout(AnchorRollout):
         self.environment_pool: dict = {}  # {environment name: instances} for π_ref's candidates only
         self._handed_out: dict = {}  # {environment name: instances handed out this round}
         self._group_prompts: dict = {}  # this round: id() of a group's (first) row -> its chat prompt (after reset)
+        self._group_index: dict = {}  # this round: id() of a group's (first) row -> the group's index
         # this rollout batch's rounds, where candidates wait for the refill loop (anchor_deferred): id() of each
-        # group's first row -> (the row, its chat prompt after reset), for the draw after the loop
+        # group's first row -> (the row, its chat prompt after reset, the random state its resets started from, or
+        # None), for the draw after the loop
         self._batch_groups: dict = {}
         # the cache's trajectories (tools without environments): completion ids -> (tool_mask, messages, calls,
         # failures); a cached anchor keeps the tool_mask of the loop that made it (checkpointed with the cache)
         self.kept: dict[tuple, tuple] = {}
+        if trl_generation.uses_environments(trainer):  # a group's resets from one random state
+            trainer.group_resets = GroupResets(trainer)
 
     def register(self, state) -> None:
         super().register(state)
@@ -160,6 +218,7 @@ class ToolAnchorRollout(AnchorRollout):
         prompts = trainer.tool_round.prompts
         check_group_prompts(prompts, group_size)
         self._group_prompts = {id(inputs[i]): prompts[i] for i in range(0, rows, group_size)}
+        self._group_index = {id(inputs[i]): i // group_size for i in range(0, rows, group_size)}
         round_rows = trl_generation.round_tool_rows(trainer, rows)
 
         def policy_trajectories(ids: list, n: int):
@@ -185,11 +244,15 @@ class ToolAnchorRollout(AnchorRollout):
 
         completion_ids, logprobs, anchors = super().generate(policy_trajectories, prompt_ids, group_size, inputs)
         if self.defers_candidates():  # groups that may draw after the refill loop: their candidates start from here
-            self._batch_groups.update({id(inputs[i]): (inputs[i], prompts[i]) for i in range(0, rows, group_size)})
+            starts = [] if trainer.group_resets is None else trainer.group_resets.starts
+            self._batch_groups.update({
+                id(inputs[i]): (inputs[i], prompts[i], starts[i // group_size] if i // group_size < len(starts) else None)
+                for i in range(0, rows, group_size)})
         trajectories = [self.trajectory(ids, prompt_ids[i], prompts[i], round_rows[i])
                         for i, ids in enumerate(completion_ids)]
         trainer.tool_round.trajectories = trajectories
-        self._log_tool_calls(trajectories, rows, anchors)
+        if trl_generation.uses_tools(trainer):  # (TRL logs its tool metrics only then)
+            self._log_tool_calls(trajectories, rows, anchors)
         return completion_ids, logprobs, anchors
 
     def _log_tool_calls(self, trajectories: list[Trajectory], rows: int, anchors) -> None:
@@ -239,10 +302,22 @@ class ToolAnchorRollout(AnchorRollout):
         prompt (after its round's reset), in environments of its own from the candidates' pool, reset with the group's
         row; each anchor placed with its own ``tool_mask``. Collective: every process calls it, once per batch."""
         groups, self._batch_groups = self._batch_groups, {}
-        # every group of the batch (a process's padding draws repeat one of them) with its round's chat prompt
-        self._group_prompts = {key: prompt for key, (_, prompt) in groups.items()}
+        # every group of the batch (a process's padding draws repeat one of them) with its round's chat prompt and the
+        # random state its round's resets started from (GroupResets: its candidates reset from it, as in the round)
+        self._group_prompts = {key: prompt for key, (_, prompt, _) in groups.items()}
+        states = [state for _, _, state in groups.values() if state is not None]
+        positions = iter(range(len(states)))
+        self._group_index = {key: next(positions) if state is not None else len(states)
+                             for key, (_, _, state) in groups.items()}
         self.trajectories, self._alive, self._handed_out = {}, [], {}
-        return super().deferred_anchors(batch, group_inputs, kept)
+        resets = self.trainer.group_resets
+        if resets is None:
+            return super().deferred_anchors(batch, group_inputs, kept)
+        round_starts, resets.starts = resets.starts, states
+        try:
+            return super().deferred_anchors(batch, group_inputs, kept)
+        finally:
+            resets.starts = round_starts
 
     def deferred_row_fields(self, completion_ids: list, width: int, device) -> dict:
         """The anchor rows' ``tool_mask`` (right-padded with 1, as TRL pads it, to ``width``): each from the loop that
@@ -258,17 +333,24 @@ class ToolAnchorRollout(AnchorRollout):
     def _run(self, prompts: list, prompt_ids: list, first_ids: list, logprobs, rows: list) -> list[Trajectory]:
         """TRL's tool loop on first turns ``first_ids`` of ``prompt_ids`` (chat ``prompts``), each row with its
         own tools and environment (``rows``: :class:`~armor_trl.integration.trl_generation.ToolRow`), through whatever
-        model is routed into the generation path."""
+        model is routed into the generation path. Where TRL runs no loop (``environment_factory`` whose environments
+        have no tool methods) neither does this: each trajectory is its first turn, every token the model's."""
         trainer = self.trainer
         tools = trl_generation.row_tools(trainer, rows)
         completions = [MessageLog(c) for c in trl_generation.decode_for_rewards(trainer, prompt_ids, first_ids, prompts,
                                                                                 tools)]
-        images, fields = trainer.media_for(prompt_ids)
-        loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
-        with trl_generation.tool_rows_as(trainer, rows), tool_turns(trainer):
-            mask, completions, ids, loop_logprobs, _, _, tool_images = trl_generation.tool_call_loop(
-                trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids],
-                completions, loop_logprobs, images, fields)
+        if not trl_generation.uses_tools(trainer):
+            ids, mask = [list(c) for c in first_ids], [[1] * len(c) for c in first_ids]
+            loop_logprobs, tool_images = None if logprobs is None else [list(lp) for lp in logprobs], [[] for _ in rows]
+        else:
+            images, fields = trainer.media_for(prompt_ids)
+            loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
+            counted = [counted_tools(row, log) for row, log in zip(rows, completions, strict=True)]
+            with (trl_generation.tool_rows_as(trainer, counted), tool_turns(trainer),
+                  turns_agreed(trainer, prompt_ids)):
+                mask, completions, ids, loop_logprobs, _, _, tool_images = trl_generation.tool_call_loop(
+                    trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids],
+                    completions, loop_logprobs, images, fields)
         trajectories = []
         for i, row in enumerate(rows):
             calls, failures = completions[i].counts()
@@ -292,11 +374,23 @@ class ToolAnchorRollout(AnchorRollout):
             pool.append(trl_generation.new_environment(trainer, name))
         self._handed_out[name] = handed + 1
         environment = pool[handed]
-        observation = environment.reset(**trl_generation.reset_kwargs(trainer, row))
+        resets = trainer.group_resets
+        with contextlib.nullcontext() if resets is None else resets.as_group(self._group_index[id(row)]):
+            observation = environment.reset(**trl_generation.reset_kwargs(trainer, row))
         prompt = trl_generation.prompt_after_reset(trl_generation.default_prompt(trainer, row), observation)
         if prompt != group_prompt:
             raise not_reproducible(type(environment).__name__)
         return trl_generation.environment_tool_row(trainer, name, environment), prompt
+
+    def close_environments(self) -> None:
+        """Release π_ref's candidates' environment instances at the end of a ``train()`` call: each one's ``close()``
+        where its class defines one, and the pool emptied (a later call makes new ones with the factory)."""
+        pool, self.environment_pool, self._handed_out = self.environment_pool, {}, {}
+        for instances in pool.values():
+            for instance in instances:
+                close = getattr(instance, "close", None)
+                if callable(close):
+                    close()
 
     # --- AnchorRollout's candidates, as trajectories ---------------------------------------------------------------
     def _reference_candidates(self, prompt_ids: list, k: int, inputs: list[dict] | None = None) -> list:

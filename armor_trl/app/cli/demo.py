@@ -13,11 +13,12 @@ def demo_main(argv: list[str]) -> int:
     from armor_trl.app.experiments import demo
 
     parser = ArgumentParser(prog="armor-trl demo", description=demo.__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=demo.SEEDS, help=f"Seeds per method (default {demo.SEEDS}).")
+    parser.add_argument("--seeds", type=int, default=None, help=f"Seeds per method (default: the recipe's demo.seeds, "
+                        f"else {demo.SEEDS}).")
     parser.add_argument("--workers", type=int, default=None, help="Parallel runs (default: one per CPU core).")
     parser.add_argument("--smoke", action="store_true", help="A tiny version that runs in seconds (for tests).")
     parser.add_argument("--config", default=None, help="Recipe (default: configs/mode_testbed.yaml; the memorisation testbed: "
-                        "configs/collapse_testbed.yaml).")
+                        "configs/collapse_testbed.yaml; an agent that loses its tool: configs/tool_use_testbed.yaml).")
     add_output_dir(parser, "Results go to <output_dir>/<recipe name> (rerunning reuses its finished runs); the "
                    "warm-started model is cached in <output_dir>/cache.", default="results/demo")
     parser.add_argument("--real", action="store_true", help="Instead: a smoke run of the real-model path, not "

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from armor_trl.app.experiments import plan, plots, stats, study
+from armor_trl.app.experiments import plan, plots, runner, stats, study
+from armor_trl.app.experiments.summary import calibration_text
 
 DEFAULT_CONFIG = plan.CONFIGS / "mode_testbed.yaml"
 ARMS = ("grpo", "grpo_kl_0.1", "grpo_small_lr", "armor")
@@ -35,13 +36,19 @@ FULL_STUDY = ("docs/evidence.md", "armor-trl study --config configs/mode_testbed
 COLUMNS = ("start", "peak", "final", "min_after_peak", "auc", "final_train_reward", "collapsed")
 
 
-def run_demo(config: str | None = None, output_dir: str = "results/demo", seeds: int = SEEDS, smoke: bool = False,
-             workers: int | None = None) -> Path:
-    """Run (or finish) the demo study in ``<output_dir>/<recipe name>``; print its headline; return the folder."""
+def run_demo(config: str | None = None, output_dir: str = "results/demo", seeds: int | None = None,
+             smoke: bool = False, workers: int | None = None) -> Path:
+    """Run (or finish) the demo study in ``<output_dir>/<recipe name>``; print its headline; return the folder. The
+    arms and seeds are the recipe's ``demo.arms`` / ``demo.seeds`` where it sets them (the tool-use testbed: GRPO and
+    ARMOR, one seed, fewer steps, to fit the demo's ten minutes), else :data:`ARMS` and :data:`SEEDS`; ``seeds``
+    overrides; ``demo.overrides`` (training fields) apply to the demo's runs only."""
     config_path = Path(config) if config else DEFAULT_CONFIG
+    settings = runner.read_recipe(config_path)[1].get("demo", {})
+    arms = list(settings.get("arms", ARMS))
+    seeds = settings.get("seeds", SEEDS) if seeds is None else seeds
     out = Path(output_dir) / (config_path.stem + ("-smoke" if smoke else ""))
-    folder = study.run_study(str(config_path), list(ARMS), seeds, workers, str(out), smoke, verbose=False,
-                             warmup_seeds=[WARMUP_SEED], primary=[])
+    folder = study.run_study(str(config_path), arms, seeds, workers, str(out), smoke, verbose=False,
+                             warmup_seeds=[WARMUP_SEED], primary=[], overrides=settings.get("overrides"))
     print("\n" + format_demo(json.loads((folder / "summary.json").read_text())))
     return folder
 
@@ -61,9 +68,9 @@ def format_demo(summary: dict) -> str:
     lines = [f"{Path(summary['recipe']).stem}, {len(seeds)} seeds ({', '.join(map(str, seeds))}); mean ± std over seeds. "
              f"Validation: {ev['metric']} on {ev['problems']} held-out problems × {ev['samples']} samples."]
     for warm in summary.get("warmups") or []:  # which warm checkpoint this machine built (its float path differs)
-        lines.append(f"Warm checkpoint (warm-up seed {warm['seed']}): {warm['steps']} supervised steps, calibration "
-                     f"avg@4 {warm['calibration_avg@4']:.3f} (target {warm['target_accuracy']}); another CPU model may "
-                     "build another one, and the numbers below move with it (docs/evidence.md gives the spread).")
+        lines.append(f"Warm checkpoint (warm-up seed {warm['seed']}): {warm['steps']} supervised steps"
+                     f"{calibration_text(warm, target=True)}; another CPU model may build another one, and the "
+                     "numbers below move with it (docs/evidence.md gives the spread).")
     if summary.get("machine"):
         lines.append(f"Machine: {summary['machine']['cpu_model']}, {summary['machine']['cpu_cores']} cores.")
     lines += ["",
@@ -81,6 +88,11 @@ def format_demo(summary: dict) -> str:
                                  f"({result['verdict']})")
         if parts:
             lines += ["", f"Paired difference vs {LABELS.get(base, base)} (same seed), 95% bootstrap CI:", *parts]
+    called = {arm: points["mode/tool_called"] for arm, points in summary.get("at_points", {}).items()
+              if "mode/tool_called" in points}
+    if called:  # an agent: the held-out tool-call rate, the mechanism metric
+        lines += ["", "Held-out tool-call rate (samples that called a tool TRL ran), start → end, mean over seeds: "
+                  + "; ".join(f"{LABELS.get(arm, arm)} {p['start']:.3f} → {p['end']:.3f}" for arm, p in called.items())]
     if "se_binomial" in ev:
         lines += ["", f"One evaluation's sampling standard error ≤ {ev['se_binomial']:.4f}. `collapsed`: final "
                   f"≥ {stats.COLLAPSE_DROP} below the peak and below the start while training reward rose."]

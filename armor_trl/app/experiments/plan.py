@@ -234,6 +234,17 @@ def check_arms(arms: dict, recipe: dict, recipe_file: str, model_path: str) -> d
     return resolved
 
 
+DEMO_ONLY_KEYS = ("arms", "seeds", "overrides", "smoke")  # demo: keys that shape `armor-trl demo` and its smoke version
+
+
+def runs_recipe(recipe: dict | None) -> dict:
+    """What of a study's recipe shapes its runs: all but the ``study:`` section and :data:`DEMO_ONLY_KEYS`."""
+    recipe = {k: v for k, v in (recipe or {}).items() if k != "study"}
+    if isinstance(recipe.get("demo"), dict):
+        recipe["demo"] = {k: v for k, v in recipe["demo"].items() if k not in DEMO_ONLY_KEYS}
+    return recipe
+
+
 def check_study_folder(out: Path, plan: dict) -> None:
     """A study folder is reused only for the same recipe and the same definition of every arm it already ran."""
     record = out / "study.json"
@@ -249,8 +260,8 @@ def check_study_folder(out: Path, plan: dict) -> None:
     else:
         same = {"model": earlier.get("model") == models}
     # the recipe's study: section says which runs to make and how to report them, not how a run trains (its arms
-    # are compared one by one below), so a study may gain comparisons or a criterion and keep its runs
-    runs_recipe = lambda recipe: {k: v for k, v in (recipe or {}).items() if k != "study"}  # noqa: E731
+    # are compared one by one below), so a study may gain comparisons or a criterion and keep its runs; so do the
+    # demo section's settings for `armor-trl demo` alone (DEMO_ONLY_KEYS; its warm-up and model stay compared)
     same["recipe"] = runs_recipe(earlier.get("recipe")) == runs_recipe(plan["recipe"])
     same["smoke_overrides"] = earlier.get("smoke_overrides") == plan["smoke_overrides"]
     for key in ("recipe", "smoke_overrides", "model"):

@@ -78,6 +78,19 @@ def override_flags(overrides: dict) -> list[str]:
 
 
 # --- the warm-started tiny model ----------------------------------------------------------------------------------
+def cached_warm_checkpoint(cache_dir: Path, model: dict, warm: dict, task: dict,
+                           progress=None) -> tuple[Path, dict | None]:
+    """(the cache folder of the warm checkpoint that ``model``, ``warm`` and ``task`` shape, its warm-up record or None
+    when it is not built yet)."""
+    key = json.dumps({"model": model, "warmup": warm, "task": task}, sort_keys=True)
+    path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if not (path / "warmup.json").is_file():
+        return path, None
+    if progress is not None:
+        progress.set_description_str("warm-up: cached")
+    return path, read_json(str(path / "warmup.json"))
+
+
 def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> tuple[str, dict]:
     """The warm-started tiny model and a record of its warm-up, built once and cached under ``cache_dir`` by a hash
     of everything that shapes it.
@@ -104,6 +117,8 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     from armor_trl.app.tiny import build_tiny_model
 
     warm = settings["warmup"]
+    if warm.get("kind") == TOOL_AGENT:
+        return warm_start_tool_agent(recipe, settings, cache_dir, progress)
     mix = warmup_modes(warm.get("modes"))
     task = {k: recipe[k] for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
                                    "arithmetic_seed")}
@@ -113,12 +128,9 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     if recipe.get("arithmetic_train_carry_share") is not None:
         # the carry-mix variant: the warm-up reserves both training pools, so one warm checkpoint serves every share
         task["arithmetic_train_carry_pools"] = True
-    key = json.dumps({"model": settings["tiny_model"], "warmup": warm, "task": task}, sort_keys=True)
-    path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-    if (path / "warmup.json").is_file():
-        if progress is not None:
-            progress.set_description_str("warm-up: cached")
-        return str(path), read_json(str(path / "warmup.json"))
+    path, cached = cached_warm_checkpoint(cache_dir, settings["tiny_model"], warm, task, progress)
+    if cached is not None:
+        return str(path), cached
 
     rl_train, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],
                                            task["arithmetic_seed"], task["arithmetic_digits"],
@@ -194,6 +206,52 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     tokenizer.save_pretrained(tmp)
     (tmp / "warmup.json").write_text(json.dumps(record))
     if path.exists():  # another process cached the same checkpoint meanwhile
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, path)
+    return str(path), record
+
+
+TOOL_AGENT = "tool_agent"  # demo.warmup.kind of the tool-use testbed (armor_trl.app.tool_testbed.build_tool_agent)
+TOOL_AGENT_KEYS = ("steps", "batch_size", "learning_rate", "digits", "wrong_name_share", "direct_share", "retry_share")
+
+
+def warm_start_tool_agent(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> tuple[str, dict]:
+    """The warm-started tiny tool agent (:func:`armor_trl.app.tool_testbed.build_tool_agent`) of ``demo.warmup``
+    (``kind: tool_agent``, ``seed`` and :data:`TOOL_AGENT_KEYS`; ``demo.tiny_model``'s size), on problems that exclude
+    the recipe's held-out ones; cached under ``cache_dir`` like :func:`warm_start`. A fixed number of steps: the
+    agent's start point is measured by the runs' own validation at step 0."""
+    from armor_trl.app.tool_testbed import build_tool_agent
+    from armor_trl.data.datasets import arithmetic_splits
+
+    warm = settings["warmup"]
+    if unknown := sorted(set(warm) - {"kind", "seed", *TOOL_AGENT_KEYS}):
+        raise ValueError(f"demo.warmup (kind {TOOL_AGENT}) takes {['seed', *TOOL_AGENT_KEYS]}, not {unknown}.")
+    model = settings["tiny_model"]
+    task = {k: recipe.get(k) for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
+                                       "arithmetic_eval_digits", "arithmetic_seed")}
+    path, cached = cached_warm_checkpoint(cache_dir, model, warm, task, progress)
+    if cached is not None:
+        return str(path), cached
+    _, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],
+                                    task["arithmetic_seed"], task["arithmetic_digits"],
+                                    eval_digits=task["arithmetic_eval_digits"])
+    digits = warm.get("digits", task["arithmetic_digits"])
+    if isinstance(digits, dict):
+        digits = {int(d): float(w) for d, w in digits.items()}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f"{path.name}.tmp-{os.getpid()}"
+    shares = {k: warm[k] for k in ("wrong_name_share", "direct_share", "retry_share", "batch_size", "learning_rate")
+              if k in warm}
+    start = time.time()
+    build_tool_agent(tmp, steps=warm["steps"], seed=warm["seed"], hidden_size=model.get("hidden_size", 64),
+                     num_layers=model.get("num_layers", 2), digits=digits, exclude=set(held_out["prompt"]),
+                     threads=None, **shares)
+    if progress is not None:
+        progress.update(warm["steps"])
+    record = {"steps": warm["steps"], "kind": TOOL_AGENT, "warmup_wall_time_s": time.time() - start}
+    (tmp / "warmup.json").write_text(json.dumps(record))
+    if path.exists():
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, path)
@@ -282,13 +340,19 @@ def series(records: list[dict], *keys: str) -> list[tuple[int, float]]:
     return out
 
 
+TOOL_CALLED = "tool_called"  # the pseudo-mode of an agent's samples that called a tool TRL ran (val/tool_call_rate)
+
+
 def named_set_modes(records: list[dict], keys: list[str]) -> dict:
-    """{set name: {mode: series}} of the named validation sets' mode shares (``val/<set>/mode/<mode>``)."""
+    """{set name: {mode: series}} of the named validation sets' mode shares (``val/<set>/mode/<mode>``; an agent's
+    ``val/<set>/tool_call_rate`` as the mode :data:`TOOL_CALLED`)."""
     sets = {}
     for key in keys:
         parts = key.split("/")
         if len(parts) == 4 and parts[0] == "val" and parts[2] == "mode":
             sets.setdefault(parts[1], {})[parts[3]] = series(records, key)
+        elif len(parts) == 3 and parts[0] == "val" and parts[2] == "tool_call_rate":
+            sets.setdefault(parts[1], {})[TOOL_CALLED] = series(records, key)
     return sets
 
 
@@ -318,7 +382,10 @@ def read_curves(metrics_file: Path) -> dict:
         # pass@j curve: {} / [] where not logged
         "kl_reverse_start": series(records, "val/kl_reverse_start"),
         "kl_forward_start": series(records, "val/kl_forward_start"),
-        "modes": {k.removeprefix("val/mode/"): series(records, k) for k in keys if k.startswith("val/mode/")},
+        # an agent's held-out tool-call rate (val/tool_call_rate, the share of samples that called a tool TRL ran)
+        # reads as the share of the mode TOOL_CALLED
+        "modes": {**{k.removeprefix("val/mode/"): series(records, k) for k in keys if k.startswith("val/mode/")},
+                  **({TOOL_CALLED: series(records, "val/tool_call_rate")} if "val/tool_call_rate" in keys else {})},
         # the named val_datasets' mode shares ({set: {mode: series}}, e.g. train_carry's), and the anchor mode
         # diagnostic (anchor_mode_classifier): the modes of the anchors and of the on-policy rows in the kept groups
         "set_modes": named_set_modes(records, keys),

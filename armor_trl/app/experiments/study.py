@@ -118,7 +118,7 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
               workers: int | None = None, out: str | None = None, smoke: bool = False,
               arms_file: str | None = None, resamples: int = 10_000, verbose: bool = True,
               baselines: list[str] | None = None, *, warmup_seeds=None, tuning_seeds=None, primary=None,
-              preregister: str | None = None) -> Path:
+              preregister: str | None = None, overrides: dict | None = None) -> Path:
     """Run the missing runs of arms × warm checkpoints × seeds, then summarise every finished one (printed with
     ``verbose``), each arm paired with each of ``baselines`` (default :data:`BASELINES`) that ran; return the
     study folder.
@@ -183,7 +183,8 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
               file=sys.stderr)
     out = Path(out) if out else Path("results/study") / Path(config_path).stem
     out.mkdir(parents=True, exist_ok=True)
-    settings, smoke_overrides = smoke_version(recipe) if smoke else (dict(recipe.get("demo", {})), {})
+    # every run's (and the warm start's) training overrides: the smoke version's, else ``overrides`` (the demo's)
+    settings, smoke_overrides = smoke_version(recipe) if smoke else (dict(recipe.get("demo", {})), dict(overrides or {}))
     warm = warmup_seeds if warmup_seeds is not None else section.get("warmup_seeds")
 
     with quiet_single_thread():

@@ -216,8 +216,7 @@ def format_summary(summary: dict) -> str:
         for w, part in summary["per_warm"].items():
             record = records.get(w)
             lines += ["", f"## Warm checkpoint {w} (warm-up seed {w})" + (
-                f": {record['steps']} warm-up steps, calibration avg@4 {record['calibration_avg@4']:.3f}"
-                if record else ""), "",
+                f": {record['steps']} warm-up steps" + calibration_text(record) if record else ""), "",
                 "| arm | " + " | ".join(per_warm_columns) + " |", "|" + "---|" * (len(per_warm_columns) + 1)]
             for arm, row in part["table"].items():
                 lines.append(f"| {arm} | " + " | ".join(_cell(row[c]) for c in per_warm_columns) + " |")
@@ -306,8 +305,8 @@ def format_summary(summary: dict) -> str:
                       "s of run time in all (each run's own wall time, summed; parallel runs overlap).")
     if summary.get("warmups") and not multi:
         record = summary["warmups"][0]
-        lines[-1] += (f" Warm checkpoint: warm-up seed {record['seed']}, {record['steps']} steps, calibration avg@4 "
-                      f"{record['calibration_avg@4']:.3f} (target {record['target_accuracy']}).")
+        lines[-1] += (f" Warm checkpoint: warm-up seed {record['seed']}, {record['steps']} steps"
+                      + calibration_text(record, target=True) + ".")
     if summary.get("machine"):
         m, times = summary["machine"], [r["wall_time_s"] for r in summary.get("runs", []) if r["wall_time_s"]]
         lines += ["", f"Machine: {m['cpu_model']}, {m['cpu_cores']} cores, {m['torch_threads_per_run']} torch "
@@ -321,3 +320,12 @@ def format_summary(summary: dict) -> str:
         lines[-1] += (f" Pre-registration: `{reg['file']}` at commit {reg['commit'] or '(none: not committed)'}"
                       f"{' (with uncommitted changes)' if reg['uncommitted_changes'] else ''}.")
     return "\n".join(lines) + "\n"
+
+
+def calibration_text(record: dict, target: bool = False) -> str:
+    """", calibration avg@4 0.312 (target 0.3)" of a warm-up record; "" for a warm-up that stops after a fixed number
+    of steps (the tool agent's), whose start point the runs' step-0 validation measures."""
+    if record.get("calibration_avg@4") is None:
+        return ""
+    return (f", calibration avg@4 {record['calibration_avg@4']:.3f}"
+            + (f" (target {record['target_accuracy']})" if target else ""))

@@ -28,7 +28,8 @@ def load_datasets(args: DataArguments, train_source: str | None, eval_source: st
             train, held_out = arithmetic_splits(args.arithmetic_train_size, args.arithmetic_eval_size,
                                                 args.arithmetic_seed, args.arithmetic_digits, args.chat,
                                                 args.system_prompt, args.arithmetic_train_filter,
-                                                args.arithmetic_eval_filter, args.arithmetic_train_carry_share)
+                                                args.arithmetic_eval_filter, args.arithmetic_train_carry_share,
+                                                args.arithmetic_eval_digits)
             dataset = train if split == "train" or source != "arithmetic" else held_out
             if source == ARITHMETIC_TRAIN_CARRY:
                 dataset = dataset.filter(lambda row: arithmetic_prompt_has_carry(row["prompt"]))
@@ -194,7 +195,7 @@ def build_trainer(script_args, training_args, model_args, callbacks=(), run_name
     kwargs = dict(
         model=model_args.model_name_or_path,
         reward_funcs=rewards,
-        tools=resolve_tools(script_args.tools) or None,
+        tools=resolve_tools(script_args.tools, script_args.tool_failure_rate, training_args.seed) or None,
         args=training_args,
         train_dataset=train,
         quantization_config=get_quantization_config(model_args),

@@ -43,6 +43,10 @@ class DataArguments:
     arithmetic_train_size: int = field(default=64, metadata={"help": "dataset 'arithmetic': training problems."})
     arithmetic_eval_size: int = field(default=200, metadata={"help": "dataset 'arithmetic': held-out problems."})
     arithmetic_digits: int = field(default=2, metadata={"help": "dataset 'arithmetic': digits per operand."})
+    arithmetic_eval_digits: int | None = field(
+        default=None, metadata={"help": "dataset 'arithmetic': digits per operand of the held-out problems (the "
+                                "tool-use testbed: 2, which only the tool solves). Default: arithmetic_digits."},
+    )
     arithmetic_seed: int = field(default=0, metadata={"help": "dataset 'arithmetic': seed of the problem draw."})
     arithmetic_train_filter: str | None = field(
         default=None, metadata={"help": "dataset 'arithmetic': restrict the training problems only; 'no_carry' = "
@@ -80,6 +84,12 @@ class TrainScriptArguments(ScriptArguments, DataArguments):
         metadata={"help": "Tools for TRL's tool loop (an agent): names of armor_trl.app.tool_testbed.TOOLS (add) or "
                   "import paths 'pkg.mod:func' (a function with a docstring TRL turns into its schema). Needs chat "
                   "prompts (chat: true) and a chat template that renders tool calls; see docs/agents.md."},
+    )
+    tool_failure_rate: float = field(
+        default=0.0,
+        metadata={"help": "With tools: this share of tool calls raise TimeoutError (drawn per call, seeded by the run's "
+                  "seed), which TRL's loop answers with its error result, as a tool that times out would: the tool-use "
+                  "testbed (configs/tool_use_testbed.yaml). 0: the tools as written."},
     )
     eval_dataset_name: str | None = field(
         default=None, metadata={"help": "Held-out set for validation (logged as val/avg@n). Default: dataset_name's "
