@@ -14,56 +14,10 @@ import re
 
 import pytest
 
-from testing import (ToolFake, anchor_rows, build_tool_trainer, capture_rounds, chat_numbers, last_tool_result,
-                     logged, row_text, tool_call)
+from testing import (Registry, ToolFake, anchor_rows, build_tool_trainer, capture_rounds, chat_numbers,
+                     counter_environment, last_tool_result, logged, row_text, tool_call)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-
-
-class Registry:
-    """The environment instances made in one test, in order, and the policy's pool to tell them apart."""
-
-    def __init__(self):
-        self.instances = []
-
-    def candidates_of(self, trainer) -> list:
-        policy = {id(instance) for pool in trainer._environment_pool.values() for instance in pool}
-        return [instance for instance in self.instances if id(instance) not in policy]
-
-
-def counter_environment(registry: Registry, with_reward: bool = True, observation: str | None = None):
-    """An environment with a counter: ``increment(step)`` adds to it; its reward (``get_reward``) is 1 when the counter
-    holds the row's answer."""
-
-    class CounterEnvironment:
-        def __init__(self):
-            self.counter, self.resets, self.row = 0, [], None
-            registry.instances.append(self)
-
-        def reset(self, **kwargs):
-            self.counter, self.row = 0, kwargs
-            self.resets.append(dict(kwargs))
-            return observation
-
-        def increment(self, step: int) -> int:
-            """
-            Increment the counter.
-
-            Args:
-                step: Value to add.
-
-            Returns:
-                The counter.
-            """
-            self.counter += step
-            return self.counter
-
-    if with_reward:
-        def get_reward(self) -> float:
-            return float(str(self.counter) == self.row["answer"])
-
-        CounterEnvironment.get_reward = get_reward
-    return CounterEnvironment
 
 
 def increment_turn(prompt_text: str) -> str:

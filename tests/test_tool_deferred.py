@@ -86,7 +86,7 @@ def test_deferred_tool_candidates_train_what_in_round_drawing_trains(tool_model,
 
 
 def test_deferred_candidates_run_in_environments_of_their_own(tool_model, tool_tokenizer, tmp_path, monkeypatch):
-    from test_environment_anchors import Registry, counter_environment
+    from testing import Registry, counter_environment
 
     registries = {}
 

@@ -475,3 +475,50 @@ def check_exact_resume(run, tiny_model_path, tiny_tokenizer, dataset, tmp_path, 
     assert all(torch.equal(a, b) for a, b in zip(reference, resumed_reference))
     for step in steps:
         assert resumed_losses[step] == pytest.approx(losses[step], abs=1e-6)
+
+
+# --- environments (test_environment_anchors, test_tool_deferred) ----------------------------------------------
+class Registry:
+    """The environment instances made in one test, in order, and the policy's pool to tell them apart."""
+
+    def __init__(self):
+        self.instances = []
+
+    def candidates_of(self, trainer) -> list:
+        policy = {id(instance) for pool in trainer._environment_pool.values() for instance in pool}
+        return [instance for instance in self.instances if id(instance) not in policy]
+
+
+def counter_environment(registry: Registry, with_reward: bool = True, observation: str | None = None):
+    """An environment with a counter: ``increment(step)`` adds to it; its reward (``get_reward``) is 1 when the counter
+    holds the row's answer."""
+
+    class CounterEnvironment:
+        def __init__(self):
+            self.counter, self.resets, self.row = 0, [], None
+            registry.instances.append(self)
+
+        def reset(self, **kwargs):
+            self.counter, self.row = 0, kwargs
+            self.resets.append(dict(kwargs))
+            return observation
+
+        def increment(self, step: int) -> int:
+            """
+            Increment the counter.
+
+            Args:
+                step: Value to add.
+
+            Returns:
+                The counter.
+            """
+            self.counter += step
+            return self.counter
+
+    if with_reward:
+        def get_reward(self) -> float:
+            return float(str(self.counter) == self.row["answer"])
+
+        CounterEnvironment.get_reward = get_reward
+    return CounterEnvironment
