@@ -81,6 +81,7 @@ def test_the_tool_use_demo_runs_grpo_and_armor_through_the_tool_loop(tmp_path, c
         assert curves["modes"]["tool_called"][0] == (0, first["val/tool_call_rate"])
         assert curves["set_modes"]["train"]["tool_called"][0] == (0, first["val/train/tool_call_rate"])
     assert "Held-out tool-call rate" in out and "supervised steps;" in out
+    assert "configs/tool_use_study.yaml" in out and "configs/mode_testbed.yaml" not in out  # its own study
 
 
 def _curve(val, reward=0.5):

@@ -33,6 +33,11 @@ LABELS = {"grpo": "GRPO (β=0)", "grpo_kl_0.1": "GRPO + KL (β=0.1)", "grpo_smal
           "armor": "ARMOR"}
 FULL_STUDY = ("docs/evidence.md", "armor-trl study --config configs/mode_testbed.yaml --output_dir "
               "results/mode_testbed/study --preregister docs/preregistration/mode_testbed.md")
+# the pre-registered study of a demo recipe other than the mode testbed's (by recipe name): where it is reported, how
+# to rerun it
+FULL_STUDIES = {"tool_use_testbed": ("docs/evidence.md, section 1d", "armor-trl study --config configs/tool_use_study.yaml "
+                                     "--output_dir results/tool_use_study --preregister "
+                                     "docs/preregistration/tool_use_testbed.md")}
 COLUMNS = ("start", "peak", "final", "min_after_peak", "auc", "final_train_reward", "collapsed")
 
 
@@ -99,8 +104,8 @@ def format_demo(summary: dict) -> str:
     plots = [name for name in ("kl.png", "start_kl.png", "modes.png", "reference.png") if (Path(out) / name).is_file()]
     lines += ["", f"Details (every paired metric, plots with bands): {out}/summary.md, {out}/curves.png, "
               + ", ".join(plots),
-              f"The pre-registered study (3 warm checkpoints x 3 seeds, verdict): {FULL_STUDY[0]} — rerun with "
-              f"`{FULL_STUDY[1]}`",
+              "The pre-registered study (3 warm checkpoints x 3 seeds): {} — rerun with `{}`".format(
+                  *FULL_STUDIES.get(Path(summary["recipe"]).stem, FULL_STUDY)),
               f"{summary['runs_executed']} run(s) trained now, {summary['wall_time_s']:.0f} s."]
     return "\n".join(lines)
 
