@@ -21,7 +21,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from armor_trl.rewards.checks import checked
 from testing import (G, ToolFake, anchor_rows, answer_reward, async_multiply, build_tool_trainer, capture_rounds,
-                     chat_numbers, cpu_args, last_tool_result, logged, multiply, multiply_turn, row_text,
+                     chat_numbers, cpu_args, divide, last_tool_result, logged, multiply, multiply_turn, row_text,
                      tool_call)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -74,20 +74,6 @@ def lookup(key: str) -> dict:
         The entry, or an error entry.
     """
     return {"error": f"no entry {key}"}  # a normal result that reads like an error: no failure in TRL's count
-
-
-def divide(a: int, b: int) -> float:
-    """
-    Divides two integers.
-
-    Args:
-        a: The dividend.
-        b: The divisor.
-
-    Returns:
-        The quotient.
-    """
-    return a / b
 
 
 def mixed_calls(text: str) -> str:

@@ -18,7 +18,7 @@ from datasets import Dataset
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from testing import (G, ToolFake, anchor_rows, answer_reward, async_multiply, build_tool_trainer, capture_rounds,
-                     chat_numbers, cpu_args, logged, multiply, row_text, tool_call)
+                     chat_numbers, cpu_args, divide, logged, multiply, row_text, tool_call)
 
 
 @pytest.mark.parametrize("tool", [multiply, async_multiply], ids=["sync", "async"])
@@ -269,20 +269,6 @@ def test_a_tool_that_returns_an_image_on_a_vision_language_model(tool_vlm, tmp_p
 def test_tool_calls_are_logged_for_anchors_and_on_policy_rows_apart(tool_model, tool_tokenizer, tmp_path, monkeypatch):
     """π_ref calls a tool once per trajectory, for n = 0 one that raises (a failure, whose result TRL drops: it would
     overflow max_completion_length; TRL counts the call all the same), then answers; the policy never calls one."""
-
-    def divide(a: int, b: int) -> float:
-        """
-        Divides two integers.
-
-        Args:
-            a: The dividend.
-            b: The divisor.
-
-        Returns:
-            The quotient.
-        """
-        return a / b
-
 
     def reference_call(text):
         if "\nt:" in text:

@@ -264,6 +264,20 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+def divide(a: int, b: int) -> float:
+    """
+    Divides two integers.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+
+    Returns:
+        The quotient.
+    """
+    return a / b
+
+
 async def async_multiply(a: int, b: int) -> int:
     return multiply(a, b)
 
