@@ -554,3 +554,55 @@ def test_a_bad_criterion_is_refused_before_anything_trains(tmp_path, monkeypatch
     monkeypatch.setattr(study, "warm_start", lambda *a, **k: pytest.fail("warmed up before checking the criterion"))
     with pytest.raises(ValueError, match="study.criterion.min_collapsed must be an integer >= 1"):
         study.run_study(str(recipe), ["grpo"], 1, 1, str(tmp_path / "out"), smoke=True)
+
+
+def test_a_study_folder_copied_elsewhere_resumes_from_its_stored_warm_checkpoint_and_refuses_other_weights(
+        tmp_path, monkeypatch, capsys):
+    """The folder stores its warm checkpoint with the weights' hash; a copy of its record, runs and warm checkpoint,
+    with an empty cache beside it, resumes without building or training anything; other weights are refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from armor_trl.app.experiments.warm_checkpoints import weights_hash
+
+    first = tmp_path / "here" / "study"
+    assert main(["study", "--smoke", "--arms", "grpo", "--seeds", "1", "--warmup_seeds", "0", "--workers", "1",
+                 "--resamples", "200", "--out", str(first)]) == 0
+    summary = json.loads((first / "summary.json").read_text())
+    stored = first / "warm" / "warm0"
+    digest = weights_hash(stored)
+    assert json.loads((first / "study.json").read_text())["warm_checkpoints"] == {"0": digest}
+    assert summary["warmups"][0]["weights_sha256"] == digest == weights_hash(summary["warmups"][0]["model"])
+
+    # another machine: the folder's record, runs and warm checkpoint, no cache; nothing may be built or trained
+    copy = tmp_path / "there" / "study"
+    copy.mkdir(parents=True)
+    for name in ("study.json", "metrics", "warm"):
+        (shutil.copytree if (first / name).is_dir() else shutil.copy)(first / name, copy / name)
+
+    def no_building(*args, **kwargs):
+        raise AssertionError("a warm checkpoint was built again")
+
+    monkeypatch.setattr("armor_trl.app.tiny.build_tiny_model", no_building)
+    argv = ["study", "--smoke", "--arms", "grpo", "--seeds", "1", "--warmup_seeds", "0", "--workers", "1",
+            "--resamples", "200", "--out", str(copy)]
+    assert main(argv) == 0
+    resumed = json.loads((copy / "summary.json").read_text())
+    assert resumed["runs_executed"] == 0 and resumed["warmups"][0]["weights_sha256"] == digest
+    assert weights_hash(resumed["warmups"][0]["model"]) == digest  # restored into the empty cache
+
+    # a warm checkpoint with other weights (built on another CPU, or changed) is refused, naming both hashes
+    cached = Path(resumed["warmups"][0]["model"])
+    weights = load_file(cached / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, cached / "model.safetensors", metadata={"format": "pt"})
+    other = weights_hash(cached)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "warm-up seed 0" in err and digest in err and other in err
+    # the cache entry deleted, the stored copy is restored again and the study resumes
+    shutil.rmtree(cached)
+    assert main(argv) == 0 and weights_hash(cached) == digest

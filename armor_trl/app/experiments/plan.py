@@ -245,6 +245,12 @@ def runs_recipe(recipe: dict | None) -> dict:
     return recipe
 
 
+def _model_key(model):
+    """What names a model across machines: a warm checkpoint by its cache key (``warm-<hash of its settings>``), not
+    by the cache folder it sits in (a study folder copied elsewhere has its cache elsewhere); any other by its path."""
+    return Path(model).name if isinstance(model, str) and Path(model).name.startswith("warm-") else model
+
+
 def check_study_folder(out: Path, plan: dict) -> None:
     """A study folder is reused only for the same recipe and the same definition of every arm it already ran."""
     record = out / "study.json"
@@ -255,10 +261,11 @@ def check_study_folder(out: Path, plan: dict) -> None:
     models = plan["model"]
     if isinstance(earlier.get("model"), dict) and isinstance(models, dict):  # warm checkpoints by warm-up seed:
         # more warm-up seeds may join a folder; those it has must name the same checkpoints
-        same = {"model": all(earlier["model"].get(w, path) == path for w, path in models.items())}
+        same = {"model": all(_model_key(earlier["model"].get(w, path)) == _model_key(path)
+                             for w, path in models.items())}
         models = {**earlier["model"], **models}
     else:
-        same = {"model": earlier.get("model") == models}
+        same = {"model": _model_key(earlier.get("model")) == _model_key(models)}
     # the recipe's study: section says which runs to make and how to report them, not how a run trains (its arms
     # are compared one by one below), so a study may gain comparisons or a criterion and keep its runs; so do the
     # demo section's settings for `armor-trl demo` alone (DEMO_ONLY_KEYS; its warm-up and model stay compared)

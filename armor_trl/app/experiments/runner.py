@@ -79,11 +79,17 @@ def override_flags(overrides: dict) -> list[str]:
 
 # --- the warm-started tiny model ----------------------------------------------------------------------------------
 def cached_warm_checkpoint(cache_dir: Path, model: dict, warm: dict, task: dict,
-                           progress=None) -> tuple[Path, dict | None]:
+                           progress=None, stored: Path | None = None) -> tuple[Path, dict | None]:
     """(the cache folder of the warm checkpoint that ``model``, ``warm`` and ``task`` shape, its warm-up record or None
-    when it is not built yet)."""
+    when it is not built yet). ``stored``: a copy of that checkpoint (a study folder's ``warm/``), restored into an
+    empty cache instead of building it again: another CPU would build other weights."""
     key = json.dumps({"model": model, "warmup": warm, "task": task}, sort_keys=True)
     path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if not (path / "warmup.json").is_file() and stored is not None and (stored / "warmup.json").is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f"{path.name}.tmp-{os.getpid()}"
+        shutil.copytree(stored, tmp)
+        os.replace(tmp, path)
     if not (path / "warmup.json").is_file():
         return path, None
     if progress is not None:
@@ -91,7 +97,8 @@ def cached_warm_checkpoint(cache_dir: Path, model: dict, warm: dict, task: dict,
     return path, read_json(str(path / "warmup.json"))
 
 
-def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> tuple[str, dict]:
+def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None,
+               stored: Path | None = None) -> tuple[str, dict]:
     """The warm-started tiny model and a record of its warm-up, built once and cached under ``cache_dir`` by a hash
     of everything that shapes it.
 
@@ -118,7 +125,7 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
 
     warm = settings["warmup"]
     if warm.get("kind") == TOOL_AGENT:
-        return warm_start_tool_agent(recipe, settings, cache_dir, progress)
+        return warm_start_tool_agent(recipe, settings, cache_dir, progress, stored)
     mix = warmup_modes(warm.get("modes"))
     task = {k: recipe[k] for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
                                    "arithmetic_seed")}
@@ -128,7 +135,7 @@ def warm_start(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> 
     if recipe.get("arithmetic_train_carry_share") is not None:
         # the carry-mix variant: the warm-up reserves both training pools, so one warm checkpoint serves every share
         task["arithmetic_train_carry_pools"] = True
-    path, cached = cached_warm_checkpoint(cache_dir, settings["tiny_model"], warm, task, progress)
+    path, cached = cached_warm_checkpoint(cache_dir, settings["tiny_model"], warm, task, progress, stored)
     if cached is not None:
         return str(path), cached
 
@@ -216,7 +223,8 @@ TOOL_AGENT = "tool_agent"  # demo.warmup.kind of the tool-use testbed (armor_trl
 TOOL_AGENT_KEYS = ("steps", "batch_size", "learning_rate", "digits", "wrong_name_share", "direct_share", "retry_share")
 
 
-def warm_start_tool_agent(recipe: dict, settings: dict, cache_dir: Path, progress=None) -> tuple[str, dict]:
+def warm_start_tool_agent(recipe: dict, settings: dict, cache_dir: Path, progress=None,
+                          stored: Path | None = None) -> tuple[str, dict]:
     """The warm-started tiny tool agent (:func:`armor_trl.app.tool_testbed.build_tool_agent`) of ``demo.warmup``
     (``kind: tool_agent``, ``seed`` and :data:`TOOL_AGENT_KEYS`; ``demo.tiny_model``'s size), on problems that exclude
     the recipe's held-out ones; cached under ``cache_dir`` like :func:`warm_start`. A fixed number of steps: the
@@ -230,7 +238,7 @@ def warm_start_tool_agent(recipe: dict, settings: dict, cache_dir: Path, progres
     model = settings["tiny_model"]
     task = {k: recipe.get(k) for k in ("arithmetic_train_size", "arithmetic_eval_size", "arithmetic_digits",
                                        "arithmetic_eval_digits", "arithmetic_seed")}
-    path, cached = cached_warm_checkpoint(cache_dir, model, warm, task, progress)
+    path, cached = cached_warm_checkpoint(cache_dir, model, warm, task, progress, stored)
     if cached is not None:
         return str(path), cached
     _, held_out = arithmetic_splits(task["arithmetic_train_size"], task["arithmetic_eval_size"],

@@ -11,7 +11,8 @@ warm checkpoint, runs are keyed (arm, warm-up seed, seed) and written as ``metri
 and the statistics resample warm checkpoints, then seeds (:func:`.stats.hierarchical_ci`). The recipe's
 ``study:`` section may also name primary comparisons (``primary: [[armor, grpo_kl_best], ...]``) and arms chosen
 on tuning seeds (``select: {grpo_kl_best: [grpo_kl_0.01, grpo_kl_0.04, grpo_kl_0.1]}`` with ``tuning_seeds:``,
-disjoint from the reporting seeds): see :func:`run_study`.
+disjoint from the reporting seeds): see :func:`run_study`. The folder keeps each warm checkpoint it trains from and
+its weights' hash (:mod:`.warm_checkpoints`): a copied folder resumes on another machine from the same weights.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from armor_trl.app.experiments.plots import plot_study
 from armor_trl.app.experiments.runner import (go_offline, quiet_single_thread, read_curves, read_recipe, smoke_version,
                                               train_run, warm_start)
 from armor_trl.app.experiments.summary import BASELINES, format_summary, summarize_study
+from armor_trl.app.experiments.warm_checkpoints import pin_warm_checkpoints, stored_copy
 
 DEFAULT_SEEDS = 3
 
@@ -206,7 +208,7 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
                           dynamic_ncols=True) as bar:
                     models[w], warmups[w] = warm_start({**recipe, **smoke_overrides},
                                                        {**settings, "warmup": {**settings["warmup"], "seed": w}},
-                                                       out.parent / "cache", progress=bar)
+                                                       out.parent / "cache", progress=bar, stored=stored_copy(out, w))
         else:
             raise ValueError(f"{config_path} has no model_name_or_path and no demo: section to warm-start one from.")
         recipe_file = out / "recipe.yaml"  # the merged recipe (base: resolved) every run parses
@@ -222,6 +224,8 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
     plan = {"recipe": recipe, "smoke_overrides": smoke_overrides,
             "model": {f"warm{w}": p for w, p in models.items()} if multi else models[next(iter(models))]}
     check_study_folder(out, {**plan, "arms": {**chosen, **candidates}})
+    # the same starting weights on every machine: checked against the folder's record, stored in it
+    weights = pin_warm_checkpoints(out, {w: p for w, p in models.items() if warmups[w] is not None})
 
     def job(arm: str, seed: int, w) -> dict:
         name = run_name(arm, seed, tag(w))
@@ -275,7 +279,8 @@ def run_study(config: str | None = None, arms: list[str] | None = None, seeds: i
                     "runs_executed": executed + count, "wall_time_s": time.time() - start,
                     "workers": max(used, workers),
                     "warmup_seeds": [w for w in models if w is not None],
-                    "warmups": [{"seed": w, "model": models[w], **warmups[w]} for w in models if warmups[w]],
+                    "warmups": [{"seed": w, "model": models[w], **warmups[w], "weights_sha256": weights[w]}
+                                for w in models if warmups[w]],
                     "tuning_seeds": tuning, "selection": choice, "compositions": composed,
                     "machine": {**machine(), "torch_threads_per_run": threads}, "runs": runs, "git": record})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
