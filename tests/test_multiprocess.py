@@ -72,6 +72,17 @@ def run_accelerate(config: str, model: str, out: Path, *extra: str) -> list[dict
     return _launch(command, out, NUM_PROCESSES)
 
 
+def run_fsdp(model: str, out: Path, *extra: str, script: Path = SCRIPT, config: str = "fsdp2.yaml") -> list[dict]:
+    """accelerate launch with the shipped FSDP config, in CPU processes (gloo) through testing.allow_fsdp_on_cpu."""
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(ACCELERATE_CONFIGS / config), "--num_processes", str(NUM_PROCESSES),
+        "--mixed_precision", "no", "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
+        str(script), "--model", model, "--out", str(out), "--ddp_backend", "gloo", "--fsdp_on_cpu", *extra,
+    ]  # fmt: skip
+    return _launch(command, out, NUM_PROCESSES)
+
+
 def run_single(model: str, out: Path) -> list[dict]:
     # One process with the same global batch (2 processes x 8 rows = 16 rows = 4 groups per step).
     command = [
