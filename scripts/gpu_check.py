@@ -205,12 +205,13 @@ def write_result(output_dir: str, name: str, result: dict) -> None:
     print(json.dumps(result), flush=True)
 
 
-def launcher_device_args() -> dict:
-    """Under ``accelerate launch``: bf16 on a GPU; on a CPU (the tests) float32 with gloo, use_cpu left False (with
-    use_cpu DeepSpeed would not run: accelerate falls back to DDP)."""
+def launcher_device_args(fsdp: bool = False) -> dict:
+    """Under ``accelerate launch``: bf16 on a GPU; on a CPU (the tests) float32 with gloo, use_cpu left False for
+    DeepSpeed (with use_cpu it would not run: accelerate falls back to DDP) and set for FSDP (without it accelerate
+    starts no CPU process group)."""
     if torch.cuda.is_available():
         return dict(bf16=True)
-    return dict(bf16=False, ddp_backend="gloo")
+    return dict(bf16=False, ddp_backend="gloo", use_cpu=fsdp)
 
 
 def launcher_part(name: str, model_path: str, output_dir: str, steps: int = 4) -> dict:
@@ -223,7 +224,8 @@ def launcher_part(name: str, model_path: str, output_dir: str, steps: int = 4) -
     run_dir = os.path.join(output_dir, "run")
     common = dict(output_dir=run_dir, per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
                   learning_rate=1e-5, report_to="none", logging_steps=1, save_strategy="steps", save_steps=2,
-                  seed=0, ref_reset_steps=2, anchor_reward_threshold=1.0, disable_tqdm=True, **launcher_device_args())
+                  seed=0, ref_reset_steps=2, anchor_reward_threshold=1.0, disable_tqdm=True,
+                  **launcher_device_args(fsdp=name.startswith("fsdp")))
     logs = []
     for max_steps, resume in ((2, None), (steps, True)):
         trainer = ArmorGRPOTrainer(model=model_path, reward_funcs=has_digit, args=ArmorConfig(max_steps=max_steps,

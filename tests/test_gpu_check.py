@@ -113,3 +113,19 @@ def test_the_deepspeed_part_resets_saves_and_resumes_under_accelerate_launch(tin
     assert result["engine"] == "DeepSpeed" and result["resumed_to_step"] == 4 and result["losses_finite"]
     assert result["reference_resets"] >= 1 and result["anchor_found_frac"] > 0
     assert result["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+
+
+@pytest.mark.slow
+def test_the_fsdp2_part_resets_saves_and_resumes_under_accelerate_launch(tiny_model_path, tmp_path):
+    """The GPU check's FSDP2 + LoRA part in one CPU process (tests/scripts/fsdp_on_cpu.py keeps accelerate's FSDP)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "configs" / "accelerate" / "fsdp2.yaml"), "--num_processes", "1", "--mixed_precision", "no",
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
+               str(REPO / "tests" / "scripts" / "fsdp_on_cpu.py"), str(SCRIPTS / "gpu_check.py"), "--launcher_part",
+               "fsdp2_lora", "--model", tiny_model_path, "--output_dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    result = json.loads((tmp_path / "fsdp2_lora.json").read_text())
+    assert result["engine"] == "FSDP2" and result["resumed_to_step"] == 4 and result["losses_finite"]
+    assert result["reference_resets"] >= 1 and result["anchor_found_frac"] > 0
+    assert result["checkpoints"] == ["checkpoint-2", "checkpoint-4"]

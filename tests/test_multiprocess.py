@@ -82,15 +82,19 @@ def run_accelerate(config: str, model: str, out: Path, *extra: str) -> list[dict
     return _launch(command, out, NUM_PROCESSES)
 
 
-def run_fsdp(model: str, out: Path, *extra: str, script: Path = SCRIPT, config: str = "fsdp2.yaml") -> list[dict]:
-    """accelerate launch with the shipped FSDP config, in CPU processes (gloo) through testing.allow_fsdp_on_cpu."""
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(ACCELERATE_CONFIGS / config), "--num_processes", str(NUM_PROCESSES),
-        "--mixed_precision", "no", "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
-        str(script), "--model", model, "--out", str(out), "--ddp_backend", "gloo", "--fsdp_on_cpu",
-        *_script_args(script), *extra,
+def fsdp_command(config: Path, script: Path, *args: str, processes: int = NUM_PROCESSES) -> list[str]:
+    """accelerate launch with an FSDP config in CPU processes (gloo), the script run through tests/scripts/
+    fsdp_on_cpu.py (testing.allow_fsdp_on_cpu)."""
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+        "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_ip", "127.0.0.1",
+        "--main_process_port", str(_free_port()), str(SCRIPTS / "fsdp_on_cpu.py"), str(script), *args,
     ]  # fmt: skip
+
+
+def run_fsdp(model: str, out: Path, *extra: str, script: Path = SCRIPT) -> list[dict]:
+    command = fsdp_command(ACCELERATE_CONFIGS / "fsdp2.yaml", script, "--model", model, "--out", str(out),
+                           "--ddp_backend", "gloo", *_script_args(script), *extra)
     return _launch(command, out, NUM_PROCESSES)
 
 

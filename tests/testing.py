@@ -454,7 +454,7 @@ def allow_fsdp_on_cpu() -> None:
     ``AcceleratorState.__init__``'s branch for GPU-like distributed types (MULTI_GPU, MULTI_XPU, ...): CPU processes
     stay MULTI_CPU and the FSDP plugin is dropped without a word (the run is plain DDP). After accelerate's own
     ``__init__``, a MULTI_CPU state handed an FSDP plugin is made the FSDP state that branch makes (without mixed
-    precision, which the launches turn off). tests/test_multiprocess_fsdp.py checks that accelerate still drops it and
+    precision, which the launches turn off). tests/test_multiprocess.py checks that accelerate still drops it and
     that this still turns it on; call before the trainer (its Accelerator) is built."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType

@@ -3,7 +3,7 @@ happened: the check that a launch harness really trains TRL's trainer before ARM
 tests/test_multiprocess_fsdp.py).
 
     accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 --mixed_precision no \
-        tests/scripts/mp_grpo_script.py --model DIR --out DIR --ddp_backend gloo --fsdp_on_cpu
+        tests/scripts/fsdp_on_cpu.py tests/scripts/mp_grpo_script.py --model DIR --out DIR --ddp_backend gloo
     torchrun --nproc_per_node 2 tests/scripts/mp_grpo_script.py --model DIR --out DIR --ddp_backend gloo
 
 Every process writes ``OUT/rank{R}.json``: its distributed type, whether the policy's parameters are sharded
@@ -29,7 +29,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from mp_train_script import checksum, full_params, is_sharded  # noqa: E402
-from testing import allow_fsdp_on_cpu, cpu_args, has_digit_reward  # noqa: E402
+from testing import cpu_args, has_digit_reward  # noqa: E402
 
 
 def main():
@@ -37,10 +37,7 @@ def main():
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--ddp_backend", default=None)
-    parser.add_argument("--fsdp_on_cpu", action="store_true", help="FSDP in CPU processes (testing.allow_fsdp_on_cpu)")
     cli = parser.parse_args()
-    if cli.fsdp_on_cpu:
-        allow_fsdp_on_cpu()
     os.makedirs(cli.out, exist_ok=True)
     args = GRPOConfig(output_dir=os.path.join(cli.out, "trainer"), ddp_backend=cli.ddp_backend, **cpu_args())
     dataset = Dataset.from_dict({"prompt": [f"{i}+{i + 1}=" for i in range(32)]})

@@ -38,8 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # the repository root, tests/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 
 import contextlib  # noqa: E402
 
@@ -310,7 +309,6 @@ def parse_args(argv=None):
     parser.add_argument("--validate", action="store_true", help="validate at steps 0 and max_steps (module docstring)")
     parser.add_argument("--lora", action="store_true", help="a LoRA policy (π_ref: its frozen reference adapter)")
     parser.add_argument("--ref_reset_at_steps", type=int, nargs="*", default=None)
-    parser.add_argument("--fsdp_on_cpu", action="store_true", help="FSDP in CPU processes (testing.allow_fsdp_on_cpu)")
     return parser.parse_args(argv)
 
 
@@ -330,10 +328,6 @@ def main(argv=None):
     cli = parse_args(argv)
     if cli.no_cpu:  # DeepSpeed, before accelerate starts its communication backend
         skip_deepspeed_shm_comm_op()
-    if cli.fsdp_on_cpu:
-        from testing import allow_fsdp_on_cpu
-
-        allow_fsdp_on_cpu()
     os.makedirs(cli.out, exist_ok=True)
     args = ArmorConfig(
         output_dir=os.path.join(cli.out, "trainer"),
