@@ -5,6 +5,8 @@ Launched by tests/test_multiprocess.py, e.g.
     torchrun --nproc_per_node 2 tests/scripts/mp_train_script.py --model DIR --out DIR --ddp_backend gloo
     accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 2 --mixed_precision no \
         tests/scripts/mp_train_script.py --model DIR --out DIR --ddp_backend gloo --no_cpu
+    accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 --mixed_precision no \
+        tests/scripts/fsdp_on_cpu.py tests/scripts/mp_train_script.py --model DIR --out DIR --ddp_backend gloo
     python tests/scripts/mp_train_script.py --model DIR --out DIR --per_device_train_batch_size 16   # one process
 
 Every process writes ``OUT/rank{R}.json`` with its own observations:
