@@ -1,4 +1,5 @@
-"""ARMOR in several processes on CPU: DDP (torchrun) and DeepSpeed ZeRO-2 / ZeRO-3 (accelerate launch), gloo backend.
+"""ARMOR in several processes on CPU: DDP (torchrun), DeepSpeed ZeRO-2 / ZeRO-3 and FSDP2 (accelerate launch; FSDP
+through tests/scripts/fsdp_on_cpu.py, as accelerate turns FSDP off for CPU processes), gloo backend.
 
 Each run trains the tiny model for 3 steps with 2 processes (tests/scripts/mp_train_script.py) and every process writes
 what it saw; the assertions read those files:
