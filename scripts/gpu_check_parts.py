@@ -4,8 +4,8 @@
 
 (``scripts/gpu_check.sh`` runs this.) By default it fits ten minutes on one GPU: the offline install from a
 wheelhouse (with its opt-in DeepSpeed wheels where it holds them), the four runs of scripts/gpu_check.py (GRPO
-β = 0.04 and ARMOR, full and LoRA, 4 optimizer steps each), ZeRO-2 / ZeRO-3 / ZeRO-3 + LoRA under ``accelerate
-launch`` (ARMOR with resets, a save and a resume), ``armor-trl train`` under ZeRO-2 + LoRA with a reward a
+β = 0.04 and ARMOR, full and LoRA, 4 optimizer steps each), ZeRO-2 / ZeRO-3 / ZeRO-3 + LoRA and FSDP2 + LoRA
+under ``accelerate launch`` (ARMOR with resets, a save and a resume), ``armor-trl train`` under ZeRO-2 + LoRA with a reward a
 random-weight model can satisfy, and the M = 16 pair (GRPO β = 0.04 vs ARMOR with online anchors, 16 optimizer
 steps per rollout batch). Each part is stopped at its budget, so one slow part cannot starve the others; the budgets
 are derived from the step times of the first GPU run (:data:`STEP_S`) and add up to at most :data:`TOTAL_LIMIT_S`.
@@ -37,9 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 # one H200, 2026-12-04, main at 18dee8d (docs/performance.md, "On a GPU").
 STEP_S = {"grpo_beta0.04": 5.61, "armor": 6.67, "grpo_beta0.04_lora": 6.73, "armor_lora": 7.72}
 STEPS = 4  # optimizer steps of each of the four runs (the first two are warm-up; the median is over the last two)
-TOTAL_LIMIT_S = 8 * 60  # the budgets of the default parts add up to at most this: ten minutes with room to spare
+TOTAL_LIMIT_S = 9 * 60  # the budgets of the default parts add up to at most this: ten minutes with room to spare
 START_S = 15  # a run's start: Python, torch, the model from local disk to the GPU, the trainer built
 LAUNCH_S = 25  # `accelerate launch` with DeepSpeed: the launcher, DeepSpeed's import and engine set-up
+FSDP_LAUNCH_S = 15  # `accelerate launch` with FSDP2: the launcher and fully_shard (estimated, not measured on a GPU)
 OUTPUT_DIR = os.environ.get("OUT", "results/gpu_check")
 
 
@@ -83,10 +84,17 @@ def plan(output_dir: str, wheelhouse: str | None, full: bool) -> list[Part]:
                                ("zero3_lora", "zero3.yaml", True)):
         parts.append(Part(name, f"ARMOR under accelerate launch + {config}{' + LoRA' if lora else ''}: resets every "
                           "2 steps, a save at step 2, a new trainer resumes it to step 4", 45,
-                          accelerate(config, "scripts/gpu_check.py", "--deepspeed_part", name, "--model", small,
+                          accelerate(config, "scripts/gpu_check.py", "--launcher_part", name, "--model", small,
                                      "--output_dir", str(out / name)),
                           f"{LAUNCH_S} s launch + 4 steps of the 4-layer model, a save and a load",
                           result_file=f"{name}/{name}.json"))
+    # one process runs FSDP2's wrapping, sharded π_ref (a 1-process mesh) and full-state-dict saves all the same
+    parts.append(Part("fsdp2_lora", "ARMOR under accelerate launch + fsdp2.yaml + LoRA: resets every 2 steps, a save "
+                      "at step 2, a new trainer resumes it to step 4", 35,
+                      accelerate("fsdp2.yaml", "scripts/gpu_check.py", "--launcher_part", "fsdp2_lora", "--model",
+                                 small, "--output_dir", str(out / "fsdp2_lora")),
+                      f"{FSDP_LAUNCH_S} s launch + 4 steps of the 4-layer model, a save and a load",
+                      result_file="fsdp2_lora/fsdp2_lora.json"))
     parts.append(Part("cli_zero2_lora", "armor-trl train --config configs/tiny_demo.yaml under accelerate launch + "
                       "zero2.yaml + LoRA, 2 steps, reward gpu_check_rewards:has_digit", 40,
                       accelerate("zero2.yaml", "-m", "armor_trl", "train", "--config", "configs/tiny_demo.yaml",
@@ -136,7 +144,7 @@ def describe(parts: list[Part]) -> str:
     for part in parts:
         budget = "none" if part.budget_s is None else f"{part.budget_s:g}"
         lines.append(f"| {part.name} | {budget} | {part.how_budget} | {part.what} |")
-    lines.append(f"| total | {total_budget(parts):g} | limit {TOTAL_LIMIT_S} s (8 min) | |")
+    lines.append(f"| total | {total_budget(parts):g} | limit {TOTAL_LIMIT_S} s ({TOTAL_LIMIT_S // 60} min) | |")
     return "\n".join(lines)
 
 

@@ -1,9 +1,11 @@
 """checks: the update regime (fully on-policy or M optimizer steps per rollout batch) and the vLLM settings a trainer cannot run with."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from armor_trl import ArmorConfig
-from armor_trl.integration.checks import (describe_reset_timing, describe_update_regime, log_update_regime,
+from armor_trl.integration.checks import (check_fsdp_version, describe_reset_timing, describe_update_regime, log_update_regime,
                                           optimizer_steps_per_rollout, reset_timing, rollout_end_steps)
 from testing import cpu_args
 
@@ -92,3 +94,15 @@ def test_vllm_server_mode_on_a_cpu_is_refused_at_construction_naming_colocate(ti
 def test_colocated_engine_options_are_checked(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message):
         ArmorConfig(output_dir=str(tmp_path), **cpu_args(**fields))
+
+
+@pytest.mark.parametrize("version", [1, 2, None])
+def test_fsdp1_is_refused_naming_fsdp_version_2(version):
+    plugin = None if version is None else SimpleNamespace(fsdp_version=version)
+    trainer = SimpleNamespace(is_fsdp_enabled=plugin is not None,
+                              accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
+    if version == 1:
+        with pytest.raises(ValueError, match=r"needs fsdp_version 2, got 1.*fsdp_version: 2 in the accelerate config"):
+            check_fsdp_version(trainer)
+    else:
+        check_fsdp_version(trainer)  # FSDP2, or no FSDP: nothing to refuse

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh, as far as it runs without a GPU: its plan and budgets (the default parts fit eight minutes at
+"""scripts/gpu_check.sh, as far as it runs without a GPU: its plan and budgets (the default parts fit nine minutes at
 the step times of the first GPU run), a part stopped at its budget while the next still runs, the result files, and
 the parts themselves on the tiny model on the CPU: the M = 16 pair, the CLI part's command (without the launcher),
 and (slow) the DeepSpeed part under `accelerate launch` with gloo."""
@@ -30,13 +30,13 @@ def load_parts():
 parts = load_parts()
 
 
-def test_the_default_plan_fits_eight_minutes_at_the_first_gpu_runs_step_times():
+def test_the_default_plan_fits_nine_minutes_at_the_first_gpu_runs_step_times():
     plan = parts.plan("out", "wheelhouse", full=False)
     names = [p.name for p in plan]
     assert names == ["install", "models", "grpo_beta0.04", "armor", "grpo_beta0.04_lora", "armor_lora", "zero2",
-                     "zero3", "zero3_lora", "cli_zero2_lora", "pair_m16"]
+                     "zero3", "zero3_lora", "fsdp2_lora", "cli_zero2_lora", "pair_m16"]
     assert all(p.budget_s is not None and p.budget_s > 0 for p in plan)  # every part stops at its own budget
-    assert parts.total_budget(plan) <= parts.TOTAL_LIMIT_S == 480
+    assert parts.total_budget(plan) <= parts.TOTAL_LIMIT_S == 540
     for name, seconds in parts.STEP_S.items():  # a run's budget covers its steps at the measured step time
         run = next(p for p in plan if p.name == name)
         assert run.budget_s >= parts.START_S + parts.STEPS * seconds
@@ -54,8 +54,8 @@ def test_dry_run_prints_the_plan_with_its_budgets_and_runs_nothing(tmp_path):
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     total = next(line for line in done.stdout.splitlines() if line.startswith("| total |"))
-    assert int(total.split("|")[2]) <= 480
-    assert "| zero3_lora | 45 |" in done.stdout and "| pair_m16 | 60 |" in done.stdout
+    assert int(total.split("|")[2]) <= 540
+    assert "| zero3_lora | 45 |" in done.stdout and "| fsdp2_lora | 35 |" in done.stdout and "| pair_m16 | 60 |" in done.stdout
     assert not (tmp_path / "out").exists()
 
 
@@ -105,11 +105,27 @@ def test_the_deepspeed_part_resets_saves_and_resumes_under_accelerate_launch(tin
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "configs" / "accelerate" / "zero2.yaml"), "--num_processes", "1", "--mixed_precision", "no",
                "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
-               str(SCRIPTS / "gpu_check.py"), "--deepspeed_part", "zero2", "--model", tiny_model_path,
+               str(SCRIPTS / "gpu_check.py"), "--launcher_part", "zero2", "--model", tiny_model_path,
                "--output_dir", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = json.loads((tmp_path / "zero2.json").read_text())
-    assert result["deepspeed"] and result["resumed_to_step"] == 4 and result["losses_finite"]
+    assert result["engine"] == "DeepSpeed" and result["resumed_to_step"] == 4 and result["losses_finite"]
+    assert result["reference_resets"] >= 1 and result["anchor_found_frac"] > 0
+    assert result["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+
+
+@pytest.mark.slow
+def test_the_fsdp2_part_resets_saves_and_resumes_under_accelerate_launch(tiny_model_path, tmp_path):
+    """The GPU check's FSDP2 + LoRA part in one CPU process (tests/scripts/fsdp_on_cpu.py keeps accelerate's FSDP)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "configs" / "accelerate" / "fsdp2.yaml"), "--num_processes", "1", "--mixed_precision", "no",
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
+               str(REPO / "tests" / "scripts" / "fsdp_on_cpu.py"), str(SCRIPTS / "gpu_check.py"), "--launcher_part",
+               "fsdp2_lora", "--model", tiny_model_path, "--output_dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    result = json.loads((tmp_path / "fsdp2_lora.json").read_text())
+    assert result["engine"] == "FSDP2" and result["resumed_to_step"] == 4 and result["losses_finite"]
     assert result["reference_resets"] >= 1 and result["anchor_found_frac"] > 0
     assert result["checkpoints"] == ["checkpoint-2", "checkpoint-4"]

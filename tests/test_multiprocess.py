@@ -1,4 +1,5 @@
-"""ARMOR in several processes on CPU: DDP (torchrun) and DeepSpeed ZeRO-2 / ZeRO-3 (accelerate launch), gloo backend.
+"""ARMOR in several processes on CPU: DDP (torchrun), DeepSpeed ZeRO-2 / ZeRO-3 and FSDP2 (accelerate launch; FSDP
+through tests/scripts/fsdp_on_cpu.py, as accelerate turns FSDP off for CPU processes), gloo backend.
 
 Each run trains the tiny model for 3 steps with 2 processes (tests/scripts/mp_train_script.py) and every process writes
 what it saw; the assertions read those files:
@@ -29,16 +30,19 @@ opt-in (``ARMOR_TEST_ZERO3_OFFLOAD=1``): its first launch also compiles DeepSpee
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from testing import ACCELERATE_CONFIGS, SCRIPTS, _free_port, _launch
+from testing import ACCELERATE_CONFIGS, REPO, SCRIPTS, _env, _free_port, _launch
 
 SCRIPT = SCRIPTS / "mp_train_script.py"
+GRPO_SCRIPT = SCRIPTS / "mp_grpo_script.py"  # TRL's plain GRPOTrainer: a launch harness trains it first
 NUM_PROCESSES = 2
 MAX_STEPS = 3
 RESET_STEPS = 2
@@ -46,16 +50,23 @@ SAVE_STEPS = 2  # checkpoints at steps 2 (right after the reset) and 3
 # Two reference candidates per group: some groups find no verified anchor, so the empty-slot path is exercised.
 COMMON_ARGS = ["--max_steps", str(MAX_STEPS), "--ref_reset_steps", str(RESET_STEPS), "--anchor_num_samples", "2"]
 SAVING = ["--save_steps", str(SAVE_STEPS)]
+# A LoRA policy (π_ref: its "ref" adapter), reset by the schedule and at an explicit step as well
+LORA_RESET_AT = (1,)
+LORA = ["--lora", "--ref_reset_at_steps", *map(str, LORA_RESET_AT)]
 TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 # Metrics that differ between a 1-process and a 2-process run of the same global batch only through sampling.
 STRUCTURAL_METRICS = ("armor/ref_resets", "armor/kl_reverse_policy", "armor/ratio_policy_mean")
 
 
-def run_torchrun(model: str, out: Path, *extra: str) -> list[dict]:
+def _script_args(script: Path) -> list[str]:
+    return COMMON_ARGS if script == SCRIPT else []
+
+
+def run_torchrun(model: str, out: Path, *extra: str, script: Path = SCRIPT) -> list[dict]:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NUM_PROCESSES),
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        str(SCRIPT), "--model", model, "--out", str(out), "--ddp_backend", "gloo", *COMMON_ARGS, *extra,
+        str(script), "--model", model, "--out", str(out), "--ddp_backend", "gloo", *_script_args(script), *extra,
     ]  # fmt: skip
     return _launch(command, out, NUM_PROCESSES)
 
@@ -69,6 +80,22 @@ def run_accelerate(config: str, model: str, out: Path, *extra: str) -> list[dict
         # on a host without GPUs DeepSpeed then picks its CPU accelerator and we ask for gloo.
         str(SCRIPT), "--model", model, "--out", str(out), "--ddp_backend", "gloo", "--no_cpu", *COMMON_ARGS, *extra,
     ]  # fmt: skip
+    return _launch(command, out, NUM_PROCESSES)
+
+
+def fsdp_command(config: Path, script: Path, *args: str, processes: int = NUM_PROCESSES) -> list[str]:
+    """accelerate launch with an FSDP config in CPU processes (gloo), the script run through tests/scripts/
+    fsdp_on_cpu.py (testing.allow_fsdp_on_cpu)."""
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+        "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_ip", "127.0.0.1",
+        "--main_process_port", str(_free_port()), str(SCRIPTS / "fsdp_on_cpu.py"), str(script), *args,
+    ]  # fmt: skip
+
+
+def run_fsdp(model: str, out: Path, *extra: str, script: Path = SCRIPT) -> list[dict]:
+    command = fsdp_command(ACCELERATE_CONFIGS / "fsdp2.yaml", script, "--model", model, "--out", str(out),
+                           "--ddp_backend", "gloo", *_script_args(script), *extra)
     return _launch(command, out, NUM_PROCESSES)
 
 
@@ -92,7 +119,12 @@ def _close(a, b, rel=1e-5, abs_=1e-6) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
 
 
-def check_run(ranks: list[dict], processes: int, distributed_type: str) -> None:
+def resets_after(step: int, at_steps: tuple[int, ...] = ()) -> int:
+    """Resets the schedule (every RESET_STEPS steps, and at ``at_steps``) made up to optimizer step ``step``."""
+    return sum(1 for s in range(1, step + 1) if s % RESET_STEPS == 0 or s in at_steps)
+
+
+def check_run(ranks: list[dict], processes: int, distributed_type: str, reset_at: tuple[int, ...] = ()) -> None:
     assert [r["rank"] for r in ranks] == list(range(processes))
     for r in ranks:
         assert r["world_size"] == processes
@@ -148,24 +180,26 @@ def check_run(ranks: list[dict], processes: int, distributed_type: str) -> None:
     # Resets: counted, the reference equals the policy right after each one and differs in between.
     for r in ranks:
         for record in r["steps"]:
-            due = record["step"] % RESET_STEPS == 0
+            due = record["step"] % RESET_STEPS == 0 or record["step"] in reset_at
             assert record["reset_now"] == due, record
-            assert record["resets"] == record["step"] // RESET_STEPS, record
+            assert record["resets"] == resets_after(record["step"], reset_at), record
             if due:
                 assert record["ref_policy_max_diff"] == 0.0, f"rank {r['rank']}: reference != policy after a reset"
                 assert record["reference_checksum"] == record["policy_checksum"]
             else:
                 assert record["ref_policy_max_diff"] > 0.0, f"rank {r['rank']}: reference followed the policy"
-        assert r["final"]["resets"] == MAX_STEPS // RESET_STEPS
+        assert r["final"]["resets"] == resets_after(MAX_STEPS, reset_at)
     for r in ranks:  # checkpoints carry the reference as it was at that step (ZeRO-3: gathered from the shards)
         for name, saved in r["checkpoints"].items():
             step = int(name.split("-")[1])
             record = r["steps"][step - 1]
-            assert saved.get("state", {}).get("resets") == step // RESET_STEPS, (name, saved)
+            assert saved.get("state", {}).get("resets") == resets_after(step, reset_at), (name, saved)
             assert _close(saved.get("reference_checksum"), record["reference_checksum"], rel=1e-9), (name, saved)
     for entry in logged:
-        assert entry["armor/ref_resets"] == (entry["step"] - 1) // RESET_STEPS  # logged before the step's update
-        if (entry["step"] - 1) % RESET_STEPS == 0:  # the reference equals the policy that generated this round
+        # logged before the step's update
+        assert entry["armor/ref_resets"] == resets_after(entry["step"] - 1, reset_at)
+        previous = entry["step"] - 1
+        if previous % RESET_STEPS == 0 or previous in reset_at:  # π_ref equals the policy that generated this round
             assert abs(entry["armor/kl_reverse_policy"]) < 1e-6, entry
             assert _close(entry["armor/ratio_policy_mean"], 1.0)
 
@@ -256,6 +290,26 @@ def zero3_run(tiny_model_path, zero3_dir):
 
 
 @pytest.fixture(scope="module")
+def fsdp2_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp2")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tiny_model_path, fsdp2_dir):
+    return run_fsdp(tiny_model_path, fsdp2_dir, *SAVING, "--validate")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_lora_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp2_lora")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_lora_run(tiny_model_path, fsdp2_lora_dir):
+    return run_fsdp(tiny_model_path, fsdp2_lora_dir, *SAVING, *LORA)
+
+
+@pytest.fixture(scope="module")
 def single_run(tiny_model_path, tmp_path_factory):
     return run_single(tiny_model_path, tmp_path_factory.mktemp("single"))
 
@@ -338,6 +392,87 @@ def test_deepspeed_zero3_resume_matches_uninterrupted(tiny_model_path, tmp_path,
     check_resumed(resumed, zero3_run, SAVE_STEPS, "ZeRO-3 resume")
 
 
+@pytest.mark.slow
+def test_plain_grpo_trainer_trains_under_fsdp2_on_cpu(tiny_model_path, tmp_path):
+    """The FSDP harness is honest (testing.allow_fsdp_on_cpu): TRL's own GRPOTrainer, no ARMOR, trains with its
+    parameters sharded, and on the same seed ends where DDP ends."""
+    fsdp = run_fsdp(tiny_model_path, tmp_path / "fsdp2", script=GRPO_SCRIPT)
+    ddp = run_torchrun(tiny_model_path, tmp_path / "ddp", script=GRPO_SCRIPT)
+    assert all(r["distributed_type"].endswith("FSDP") and r["policy_sharded"] for r in fsdp)
+    assert all(r["distributed_type"].endswith("MULTI_CPU") and not r["policy_sharded"] for r in ddp)
+    assert len({r["final_checksum"] for r in fsdp}) == 1 and fsdp[0]["final_checksum"] != fsdp[0]["initial_checksum"]
+    assert _close(fsdp[0]["final_checksum"], ddp[0]["final_checksum"], rel=1e-6)
+    losses = [[entry["loss"] for entry in _steps_logged(run)] for run in (fsdp, ddp)]
+    assert len(losses[0]) == MAX_STEPS and losses[0] == pytest.approx(losses[1], rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_fsdp2(fsdp2_run, ddp_run):
+    check_run(fsdp2_run, NUM_PROCESSES, "FSDP")
+    assert all(r["reference_sharded"] for r in fsdp2_run), "FSDP2 should shard π_ref"
+    check_same_run(fsdp2_run, ddp_run, "FSDP2 vs DDP")
+
+
+@pytest.mark.slow
+def test_fsdp2_validation_equals_one_process(fsdp2_run, single_run):
+    assert all(r["validation"]["policy_sharded"] for r in fsdp2_run)  # really sharded, not a DDP fallback
+    check_validation(fsdp2_run, single_run)
+
+
+@pytest.mark.slow
+def test_fsdp2_resume_matches_uninterrupted(tiny_model_path, tmp_path, fsdp2_dir, fsdp2_run):
+    checkpoint = fsdp2_dir / "trainer" / f"checkpoint-{SAVE_STEPS}"
+    resumed = run_fsdp(tiny_model_path, tmp_path, "--resume_from", str(checkpoint))
+    check_resumed(resumed, fsdp2_run, SAVE_STEPS, "FSDP2 resume")
+
+
+@pytest.mark.slow
+def test_fsdp2_lora(tiny_model_path, tmp_path, fsdp2_lora_run):
+    """A LoRA policy under FSDP2: its reference adapter sharded with it, reset on the schedule and at an explicit
+    step, and on the same seed the run ends where DDP's ends."""
+    check_run(fsdp2_lora_run, NUM_PROCESSES, "FSDP", reset_at=LORA_RESET_AT)
+    assert all(r["reference_type"] == "lora" and r["reference_sharded"] for r in fsdp2_lora_run)
+    ddp = run_torchrun(tiny_model_path, tmp_path, *SAVING, *LORA)
+    check_run(ddp, NUM_PROCESSES, "MULTI_CPU", reset_at=LORA_RESET_AT)
+    check_same_run(fsdp2_lora_run, ddp, "FSDP2 LoRA vs DDP LoRA")
+
+
+@pytest.mark.slow
+def test_fsdp2_lora_resume_matches_uninterrupted(tiny_model_path, tmp_path, fsdp2_lora_dir, fsdp2_lora_run):
+    checkpoint = fsdp2_lora_dir / "trainer" / f"checkpoint-{SAVE_STEPS}"
+    resumed = run_fsdp(tiny_model_path, tmp_path, *LORA, "--resume_from", str(checkpoint))
+    check_resumed(resumed, fsdp2_lora_run, SAVE_STEPS, "FSDP2 LoRA resume")
+
+
+# One CPU process through accelerate's distributed set-up (LOCAL_RANK set: MULTI_CPU, gloo), handed an FSDP2 plugin.
+FSDP_STATE = """
+import json, sys, torch
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.tensor import DTensor
+if sys.argv[1] == "harness":
+    from testing import allow_fsdp_on_cpu
+    allow_fsdp_on_cpu()
+accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+model = accelerator.prepare(torch.nn.Linear(4, 4))
+print(json.dumps([accelerator.distributed_type.value, any(isinstance(p, DTensor) for p in model.parameters())]))
+"""
+
+
+@pytest.mark.parametrize("harness", [False, True])
+def test_accelerate_drops_fsdp_in_cpu_processes_and_the_harness_keeps_it(harness):
+    """What testing.allow_fsdp_on_cpu relies on, against the installed accelerate: without it an FSDP plugin in CPU
+    processes is dropped silently (plain DDP: when this fails, accelerate runs FSDP on CPU itself and the patch can
+    go); with it the state is FSDP and the prepared model's parameters are sharded DTensors."""
+    env = {**_env(), "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    done = subprocess.run([sys.executable, "-c", FSDP_STATE, "harness" if harness else "plain"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    distributed_type, sharded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (distributed_type, sharded) == (("FSDP", True) if harness else ("MULTI_CPU", False))
+
+
 def test_accelerate_configs_are_valid():
     """The shipped configs load as accelerate launch configs, with the documented settings."""
     yaml = pytest.importorskip("yaml")
@@ -346,7 +481,9 @@ def test_accelerate_configs_are_valid():
         "zero2.yaml": ("DEEPSPEED", 2, "none"),
         "zero3.yaml": ("DEEPSPEED", 3, "none"),
         "zero3_offload.yaml": ("DEEPSPEED", 3, "cpu"),
+        "fsdp2.yaml": ("FSDP", None, None),
     }
+    import trl
     from accelerate.commands.config.config_args import ClusterConfig
 
     for name, (distributed_type, stage, offload) in expected.items():
@@ -355,6 +492,10 @@ def test_accelerate_configs_are_valid():
         assert config["distributed_type"] == distributed_type
         assert config["num_processes"] == 8
         ClusterConfig.from_yaml_file(str(ACCELERATE_CONFIGS / name))  # accelerate's own parser accepts it
+        if distributed_type == "FSDP":  # TRL's own FSDP2 settings
+            trl_config = Path(trl.__file__).parent / "accelerate_configs" / "fsdp2.yaml"
+            assert config["fsdp_config"] == yaml.safe_load(trl_config.read_text())["fsdp_config"]
+            assert config["fsdp_config"]["fsdp_version"] == 2
         if stage is not None:
             ds = config["deepspeed_config"]
             assert ds["zero_stage"] == stage

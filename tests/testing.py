@@ -447,6 +447,29 @@ def _env() -> dict:
     return env
 
 
+def allow_fsdp_on_cpu() -> None:
+    """Let accelerate run FSDP in CPU processes (gloo), for the FSDP tests of the launch scripts (tests/scripts/).
+
+    torch's ``fully_shard`` shards over a CPU mesh with gloo, but accelerate turns FSDP on only inside
+    ``AcceleratorState.__init__``'s branch for GPU-like distributed types (MULTI_GPU, MULTI_XPU, ...): CPU processes
+    stay MULTI_CPU and the FSDP plugin is dropped without a word (the run is plain DDP). After accelerate's own
+    ``__init__``, a MULTI_CPU state handed an FSDP plugin is made the FSDP state that branch makes (without mixed
+    precision, which the launches turn off). tests/test_multiprocess.py checks that accelerate still drops it and
+    that this still turns it on; call before the trainer (its Accelerator) is built."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def init_keeping_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = init_keeping_fsdp
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -105,6 +105,7 @@ def check_built(trainer) -> None:
     from armor_trl.integration import trl_seam as seam
 
     args = trainer.args
+    check_fsdp_version(trainer)
     if args.use_anchors and seam.is_vlm(trainer):
         check_vlm_anchors(args, environments=getattr(trainer, "environment_factories", None) is not None)
     if is_peft_model(trainer.model) and trainer.use_vllm and args.use_anchors:
@@ -118,6 +119,18 @@ def check_built(trainer) -> None:
                 "policy's copy of those weights instead of the reference's. Use target_modules only (plain LoRA), or "
                 "use_vllm=False."
             )
+
+
+def check_fsdp_version(trainer) -> None:
+    """FSDP2 only: π_ref's resets, checkpoints and comparisons work on FSDP2's per-parameter shards; FSDP1 flattens
+    the parameters into its own, renamed ones, which they do not read."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    if plugin is not None and plugin.fsdp_version != 2:
+        raise ValueError(
+            f"ArmorGRPOTrainer under FSDP needs fsdp_version 2, got {plugin.fsdp_version}: ARMOR's reference resets, "
+            "checkpoints and comparisons work on FSDP2's sharded parameters, not on FSDP1's flattened ones. Set "
+            "fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp2.yaml), or use DeepSpeed ZeRO-3."
+        )
 
 
 def check_vlm_anchors(args, environments: bool = False) -> None:

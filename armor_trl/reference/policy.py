@@ -55,6 +55,32 @@ def _gathered(params: list[nn.Parameter], modifier_rank: int | None = None):
     return contextlib.nullcontext()
 
 
+# FSDP2 (``fully_shard``) keeps each parameter as a DTensor holding this process's shard. The policy is sharded only
+# when training starts (accelerate prepares it in train()), π_ref already when it is built, so a copy or comparison
+# may meet a DTensor on one side and a plain tensor on the other, which torch refuses. The helpers below make both
+# sides alike; those that gather or scatter are collective: every process calls them, in the same order.
+def _is_sharded_tensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP2 shard gathered (collective), anything else as it is."""
+    return tensor.full_tensor() if _is_sharded_tensor(tensor) else tensor
+
+
+def _assign(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)`` for any mix of FSDP2 shards and plain tensors (collective when they differ)."""
+    if _is_sharded_tensor(target) and not _is_sharded_tensor(source):
+        from torch.distributed.tensor import distribute_tensor
+
+        source = distribute_tensor(source.to(target.device, target.dtype), target.device_mesh, target.placements)
+    elif _is_sharded_tensor(source) and not _is_sharded_tensor(target):
+        source = source.full_tensor()
+    target.copy_(source)
+
+
 def adapter_parameters(peft_model: nn.Module, adapter: str) -> dict[str, nn.Parameter]:
     """The parameters of one adapter of ``peft_model``, keyed by PEFT's adapter-independent state-dict names.
 
@@ -111,7 +137,7 @@ def copy_parameters(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
     """Copy each source parameter into its target, in place (``pairs`` = [(target, source), ...])."""
     for target, source in pairs:
         with _gathered([source]), _gathered([target], modifier_rank=0):
-            target.data.copy_(source.data)
+            _assign(target.data, source.data)
 
 
 class ReferencePolicy:
@@ -268,7 +294,7 @@ class ReferencePolicy:
         only between train() calls)."""
         for ref, own in self._pairs(policy):
             with _gathered([ref, own]):
-                if not torch.equal(ref.data, own.data.to(ref.device)):
+                if not torch.equal(_full(ref.data), _full(own.data).to(ref.device)):
                     return False
         return True
 
@@ -348,15 +374,16 @@ class ReferencePolicy:
             self.mark_copied(None if self.policy_getter is None else self.policy_getter())
 
     def save_weights(self, directory: str, policy: nn.Module, write: bool = True) -> None:
-        """Write the reference's weights (or the "ref" adapter's) as safetensors. Collective under ZeRO-3 (parameters
-        are gathered): call on every process, with ``write`` on one."""
+        """Write the reference's weights (or the "ref" adapter's) as safetensors. Collective under ZeRO-3 and FSDP2
+        (parameters are gathered): call on every process, with ``write`` on one."""
         from safetensors.torch import save_file
 
         tensors = {}
         for name, (target, _) in self._named_pairs(policy).items():
             with _gathered([target]):
+                full = _full(target.detach())
                 if write:
-                    tensors[name] = target.detach().cpu().contiguous().clone()
+                    tensors[name] = full.cpu().contiguous().clone()
         if write:
             save_file(tensors, os.path.join(directory, REF_WEIGHTS_FILE))
 
@@ -380,7 +407,7 @@ class ReferencePolicy:
                             f"Checkpoint {directory} holds a reference whose {name} has shape "
                             f"{tuple(tensors[name].shape)}; this run's has {tuple(target.shape)}."
                         )
-                    target.data.copy_(tensors[name].to(target.device, target.dtype))
+                    _assign(target.data, tensors[name])
 
 
 def _read_weights(directory: str) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ Launched by tests/test_multiprocess.py, e.g.
     torchrun --nproc_per_node 2 tests/scripts/mp_train_script.py --model DIR --out DIR --ddp_backend gloo
     accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 2 --mixed_precision no \
         tests/scripts/mp_train_script.py --model DIR --out DIR --ddp_backend gloo --no_cpu
+    accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 --mixed_precision no \
+        tests/scripts/fsdp_on_cpu.py tests/scripts/mp_train_script.py --model DIR --out DIR --ddp_backend gloo
     python tests/scripts/mp_train_script.py --model DIR --out DIR --per_device_train_batch_size 16   # one process
 
 Every process writes ``OUT/rank{R}.json`` with its own observations:
@@ -120,14 +122,36 @@ def _gathered(params):
     return contextlib.nullcontext()
 
 
-@torch.no_grad()
 def full_params(module) -> dict[str, torch.Tensor]:
-    """name -> full fp32 CPU copy of every parameter (ZeRO-3 shards gathered one at a time)."""
+    """name -> full fp32 CPU copy of every parameter (ZeRO-3 and FSDP2 shards gathered one at a time)."""
+    return full_params_of(dict(module.named_parameters()))
+
+
+@torch.no_grad()
+def full_params_of(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
     out = {}
-    for name, param in module.named_parameters():
+    for name, param in params.items():
         with _gathered([param]):
-            out[name] = param.detach().float().cpu().clone()
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            out[name] = full.detach().float().cpu().clone()
     return out
+
+
+def reference_and_policy(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(π_ref, π_θ) as full fp32 copies, keyed alike: the reference's parameters and the policy's that a reset copies
+    into them (all of a full reference's, the trained adapter's for a LoRA one). Collective when sharded."""
+    pairs = trainer.reference._named_pairs(trainer.unwrapped_policy())
+    reference = full_params_of({name: ref for name, (ref, _) in pairs.items()})
+    return reference, full_params_of({name: own for name, (_, own) in pairs.items()})
+
+
+def is_sharded(module) -> bool:
+    """Whether the module's parameters are ZeRO-3 partitions or FSDP2 shards (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in module.parameters())
 
 
 def checksum(params: dict[str, torch.Tensor]) -> float:
@@ -136,11 +160,6 @@ def checksum(params: dict[str, torch.Tensor]) -> float:
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in b)
-
-
-def strip_module(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Names of a wrapped model (DeepSpeed engine: ``module.``) as the unwrapped model names them."""
-    return {name.removeprefix("module."): p for name, p in params.items()}
 
 
 class RecordingTrainer(ArmorGRPOTrainer):
@@ -236,8 +255,7 @@ class StepRecorder(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer
-        policy = full_params(trainer.accelerator.unwrap_model(trainer.model_wrapped))
-        reference = strip_module(full_params(trainer.reference.model))
+        reference, policy = reference_and_policy(trainer)
         self.steps.append(
             {
                 "step": state.global_step,
@@ -291,6 +309,8 @@ def parse_args(argv=None):
     parser.add_argument("--save_steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     parser.add_argument("--resume_from", default=None, help="a checkpoint directory to resume from")
     parser.add_argument("--validate", action="store_true", help="validate at steps 0 and max_steps (module docstring)")
+    parser.add_argument("--lora", action="store_true", help="a LoRA policy (π_ref: its frozen reference adapter)")
+    parser.add_argument("--ref_reset_at_steps", type=int, nargs="*", default=None)
     return parser.parse_args(argv)
 
 
@@ -329,6 +349,7 @@ def main(argv=None):
         seed=42,
         disable_tqdm=True,
         ref_reset_steps=cli.ref_reset_steps,
+        ref_reset_at_steps=cli.ref_reset_at_steps,
         anchor_filter=cli.anchor_filter,
         anchor_num_samples=cli.anchor_num_samples,
     )
@@ -336,8 +357,14 @@ def main(argv=None):
         {"prompt": [f"{i}+{i + 1}=" for i in range(32)], "answer": [str(2 * i + 1) for i in range(32)]}
     )
     tokenizer = AutoTokenizer.from_pretrained(cli.model)
+    peft_config = None
+    if cli.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     trainer = RecordingTrainer(
-        model=cli.model, reward_funcs=has_digit, args=args, train_dataset=dataset, processing_class=tokenizer
+        model=cli.model, reward_funcs=has_digit, args=args, train_dataset=dataset, processing_class=tokenizer,
+        peft_config=peft_config,
     )
     recorder = StepRecorder(trainer)
     trainer.add_callback(recorder)  # after ReferenceResetCallback: sees the reference right after a reset
@@ -349,15 +376,11 @@ def main(argv=None):
         direct = DirectValidation(trainer, held_out, generation)
         trainer.add_callback(direct)  # after the callback: its step-0 validation comes first
 
-    from safetensors.torch import load_file
-
-    initial = {k: v.float() for k, v in load_file(os.path.join(cli.model, "model.safetensors")).items()}
-    reference_at_start = strip_module(full_params(trainer.reference.model))
+    reference_at_start, initial = reference_and_policy(trainer)
     trainer.train(resume_from_checkpoint=cli.resume_from)
 
-    policy = full_params(trainer.accelerator.unwrap_model(trainer.model_wrapped))
-    reference = strip_module(full_params(trainer.reference.model))
-    common = [name for name in policy if name in initial]
+    reference, policy = reference_and_policy(trainer)
+    common = list(initial)
     result = {
         "rank": trainer.accelerator.process_index,
         "world_size": trainer.accelerator.num_processes,
@@ -365,9 +388,9 @@ def main(argv=None):
         "deepspeed_stage": (
             trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None
         ),
-        "reference_type": type(trainer.reference.model).__name__,
-        "reference_sharded": any(hasattr(p, "ds_id") for p in trainer.reference.model.parameters()),
-        "reference_start_equals_initial": max_diff(reference_at_start, {n: initial[n] for n in common}) == 0.0,
+        "reference_type": type(trainer.reference.model).__name__ if trainer.reference.model is not None else "lora",
+        "reference_sharded": is_sharded(trainer.reference.model or trainer.model_wrapped),
+        "reference_start_equals_initial": max_diff(reference_at_start, initial) == 0.0,
         "rounds": trainer.rounds,
         "steps": recorder.steps,
         "final": {
@@ -386,7 +409,7 @@ def main(argv=None):
             **direct.result, "on_every_process": callback.on_every_process, "callback_history": callback.history,
             "generation_calls": generation.calls,
             "generation_calls_in_training": len(generation.calls) - direct.result["direct_calls"],
-            "policy_sharded": any(hasattr(p, "ds_id") for p in trainer.model_wrapped.parameters()),
+            "policy_sharded": is_sharded(trainer.model_wrapped),
         }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
