@@ -5,6 +5,7 @@ lose their tool"; docs/evidence/tool_use_pilot.md).
     python scripts/tool_use_evidence.py report docs/evidence/tool_use_pilot/*.csv
     python scripts/tool_use_evidence.py store results/tool_use_study_epyc docs/evidence/tool_use_study_epyc
     python scripts/tool_use_evidence.py restore docs/evidence/tool_use_study_epyc results/tool_use_study_epyc
+    python scripts/tool_use_evidence.py compare RUN_A.jsonl RUN_B.jsonl.gz
     python scripts/tool_use_evidence.py report docs/evidence/tool_use_study_epyc/runs.csv \
         --summary docs/evidence/tool_use_study_epyc/summary.json
 
@@ -97,6 +98,33 @@ def restore(evidence: Path, folder: Path) -> None:
                 shutil.copyfileobj(src, dst)
             restored += 1
     print(f"{folder}: {restored} runs restored")
+
+
+def _records(path: Path) -> list[dict]:
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _timing(key: str) -> bool:  # wall-clock values, which differ between any two runs
+    return "time" in key or "per_second" in key
+
+
+def compare(first: Path, second: Path) -> int:
+    """Two runs' metrics files, value by value (wall-clock values aside): the check that a rerun at another commit
+    trained the same (0 differing values) or by how much it did not. Returns the number of differing values."""
+    a, b = _records(first), _records(second)
+    compared, differing = 0, []
+    for x, y in zip(a, b):
+        for key in sorted(set(x) | set(y)):
+            if key in TAGS or _timing(key):
+                continue
+            compared += 1
+            if x.get(key) != y.get(key):
+                differing.append((x.get("step"), key, x.get(key), y.get(key)))
+    print(f"{first} vs {second}: {len(a)} and {len(b)} logged records, {compared} values compared, "
+          f"{len(differing)} differ" + (f" (first: step {differing[0][0]} {differing[0][1]}: {differing[0][2]} vs "
+                                        f"{differing[0][3]})" if differing else ""))
+    return len(differing) + abs(len(a) - len(b))
 
 
 def read_runs(paths: list[Path]) -> dict:
@@ -256,7 +284,12 @@ def main(argv=None) -> int:
         command = commands.add_parser(name, help=helptext)
         command.add_argument("source", type=Path)
         command.add_argument("target", type=Path)
+    comparing = commands.add_parser("compare", help="two runs' metrics files, value by value (wall times aside)")
+    comparing.add_argument("first", type=Path)
+    comparing.add_argument("second", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        return 1 if compare(args.first, args.second) else 0
     if args.command == "export":
         export(args.folder, args.out)
     elif args.command == "store":

@@ -77,3 +77,18 @@ def test_store_and_restore_keep_a_study_folders_record_and_overwrite_nothing(tmp
     (elsewhere / "metrics" / "grpo-warm7-seed1.jsonl").unlink()
     evidence.restore(stored, elsewhere)
     assert json.loads((elsewhere / "metrics" / "grpo-warm7-seed1.jsonl").read_text()) == line
+
+
+def test_compare_counts_the_values_two_runs_differ_in_and_ignores_wall_times(tmp_path, capsys):
+    records = [{"run": "a", "step": 0, "val/avg@4": 0.25, "step_time": 1.0},
+               {"run": "a", "step": 1, "loss": 0.5, "run_wall_time_s": 3.0}]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"
+    first.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rerun = [{**records[0], "run": "b", "step_time": 2.0}, {**records[1], "run": "b", "run_wall_time_s": 9.0}]
+    second.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rerun).encode()))
+    assert evidence.compare(first, second) == 0
+    assert "4 values compared, 0 differ" in capsys.readouterr().out
+    rerun[1]["loss"] = 0.5000001
+    second.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rerun).encode()))
+    assert evidence.compare(first, second) == 1
+    assert "1 differ (first: step 1 loss: 0.5 vs 0.5000001)" in capsys.readouterr().out
