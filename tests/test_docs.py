@@ -189,10 +189,11 @@ def test_the_versions_the_readme_states_are_the_lock():
         assert Version(locked[name]).public == stated, f"README says {name} {stated}; requirements/dev.txt: {locked[name]}"
     assert "requirements/dev.txt" in readme and "make lock" in readme and "make test-latest" in readme
     pyproject = (REPO / "pyproject.toml").read_text()
-    trl = re.search(r"`(trl>=[^`]+)`", readme).group(1)
-    assert f'"{trl}"' in pyproject
-    low, high = re.search(r"\((\S+) ≤ deepspeed < (\S+),", readme).groups()
-    assert f'"deepspeed>={low},<{high}"' in pyproject
+    for page in (readme, (REPO / "docs" / "install.md").read_text()):  # the README and its install page
+        trl = re.search(r"`(trl>=[^`]+)`", page).group(1)
+        assert f'"{trl}"' in pyproject
+        low, high = re.search(r"\((\S+) ≤ deepspeed < (\S+),", page).groups()
+        assert f'"deepspeed>={low},<{high}"' in pyproject
 
 
 def test_user_docs_speak_of_machines_a_user_has():
