@@ -514,6 +514,21 @@ def test_eval_loads_a_lora_adapter_folder(tiny_model_path, tmp_path, capsys):
     assert "(2 problems, n=1)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", ["tool_use_testbed.yaml", "tool_use_testbed_pilot.yaml", "mode_testbed.yaml"])
+def test_a_testbed_recipe_without_its_model_says_which_commands_build_it(name, capsys):
+    """A recipe whose model is its demo: section's warm start (its own or its base's) stops naming `armor-trl demo` /
+    `study`, which build that model, and the flag that passes it; a recipe without one gets the plain message."""
+    config = str(REPO / "configs" / name)
+    assert main(["train", "--config", config]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "model_name_or_path is required" in err and "demo.warmup" in err and "bf16" not in err
+    assert f"`armor-trl demo --config {config}`" in err and f"`armor-trl study --config {config}`" in err
+    assert "pass that checkpoint with --model_name_or_path" in err
+    assert main(["train", "--config", str(REPO / "configs" / "tool_agent_tiny.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "model_name_or_path is required: set it in the recipe" in err and "demo" not in err
+
+
 def test_config_and_model_errors_come_before_hardware(recipe, tmp_path, capsys):
     assert main(["train"]) == 2
     err = capsys.readouterr().err

@@ -189,10 +189,11 @@ def test_the_versions_the_readme_states_are_the_lock():
         assert Version(locked[name]).public == stated, f"README says {name} {stated}; requirements/dev.txt: {locked[name]}"
     assert "requirements/dev.txt" in readme and "make lock" in readme and "make test-latest" in readme
     pyproject = (REPO / "pyproject.toml").read_text()
-    trl = re.search(r"`(trl>=[^`]+)`", readme).group(1)
-    assert f'"{trl}"' in pyproject
-    low, high = re.search(r"\((\S+) ≤ deepspeed < (\S+),", readme).groups()
-    assert f'"deepspeed>={low},<{high}"' in pyproject
+    for page in (readme, (REPO / "docs" / "install.md").read_text()):  # the README and its install page
+        trl = re.search(r"`(trl>=[^`]+)`", page).group(1)
+        assert f'"{trl}"' in pyproject
+        low, high = re.search(r"\((\S+) ≤ deepspeed < (\S+),", page).groups()
+        assert f'"deepspeed>={low},<{high}"' in pyproject
 
 
 def test_user_docs_speak_of_machines_a_user_has():
@@ -463,3 +464,38 @@ def test_every_import_path_the_docs_show_resolves_without_a_moved_path():
                 except Exception as error:  # noqa: BLE001 - every failure is reported with its page
                     broken.append(f"{page}: {name}: {type(error).__name__}: {error}")
     assert not broken, "\n".join(broken)
+
+
+def test_a_page_that_places_a_variant_in_the_current_table_finds_its_row_there():
+    """A sentence that speaks of the current bench table names only variants that have a row in it
+    (docs/bench_table.md as `make bench-table` wrote it): a variant added to the bench after the table was measured is
+    said to be missing from it, not in it."""
+    from benchmarks import config
+
+    bench = config.load()
+    names = set(bench.variants) | set(bench.baselines)
+    rows = set(re.findall(r"\(`(\w+)`\) \|", (REPO / _bench_table().TABLE_FILE).read_text()))
+    assert rows and rows <= names
+    found = []
+    for page in PAGES:
+        for sentence in re.split(r"(?<=[.;])\s+", " ".join(re.sub(r"```.*?```", "", page.read_text(), flags=re.S).split())):
+            if re.search(r"current (bench )?table", sentence, flags=re.I):
+                found += [f"{page.name}: `{name}` in {sentence[:120]!r}" for name in re.findall(r"`(\w+)`", sentence)
+                          if name in names and name not in rows]
+    assert not found, "\n".join(found)
+
+
+def test_the_recipe_fields_of_an_agent_are_documented_with_their_default():
+    """`tools` and `tool_failure_rate` (recipe fields, not ArmorConfig's: the tool-use testbed depends on the second)
+    are on docs/cli.md and docs/configuration.md, not only in `armor-trl train --help`, the failure rate with its
+    default and what a failed call raises."""
+    import dataclasses
+
+    from armor_trl.app.recipe.fields import TrainScriptArguments
+
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainScriptArguments)}
+    assert defaults["tool_failure_rate"] == 0.0 and defaults["tools"] is None
+    for page in ("cli.md", "configuration.md"):
+        text = " ".join((REPO / "docs" / page).read_text().split())
+        assert "`tools`" in text or "`tools: [" in text, page
+        assert re.search(r"`tool_failure_rate` \(default 0\b[^)]*\)[^.]*`TimeoutError`", text), page

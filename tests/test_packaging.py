@@ -152,9 +152,13 @@ def test_test_extra_has_tensorboard(project):
     assert "tensorboard" in {Requirement(r).name for r in project["optional-dependencies"]["test"]}
 
 
-def test_readme_install_section_names_the_extras(project):
+def test_the_install_pages_name_the_extras(project):
+    """The README's install section names every extra and links docs/install.md, whose table says what each adds."""
     readme = (REPO / "README.md").read_text()
-    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert all(f"`{extra}`" in section for extra in project["optional-dependencies"])
+    assert 'pip install ".[vllm,deepspeed]"' in section and "(docs/install.md)" in section
+    install = (REPO / "docs" / "install.md").read_text()
     rows = {row.split("`")[1] for row in install.splitlines() if row.startswith("| `")}
     assert rows == set(project["optional-dependencies"])  # every extra, [real] (for `armor-trl demo --real`) included
     assert 'pip install ".[vllm,deepspeed]"' in install

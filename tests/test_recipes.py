@@ -413,3 +413,23 @@ def test_a_recipe_that_leaves_precision_to_the_machine_resolves_it_for_both_meth
     monkeypatch.setattr(armor_config, "default_precision", lambda use_cpu=False: "fp32" if use_cpu else "fp16")
     _, config, _, _ = parse_train_args(list(argv))
     assert (config.bf16, config.fp16) == (False, True)
+
+
+def header(path: Path) -> str:
+    """A recipe's own header: its comment lines before the first key."""
+    lines = path.read_text().splitlines()
+    return "\n".join(line for line in lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if not load_recipe(str(p)).get("model_name_or_path")],
+                         ids=lambda p: p.name)
+def test_a_recipe_whose_model_is_built_elsewhere_says_so_in_its_header(path):
+    """A recipe that names no model marks it (model_name_or_path: null, its own or its base's), and its header says
+    how `armor-trl train` gets one: where a demo: section warms it up, which commands build it, and the flag."""
+    recipe = load_recipe(str(path))
+    assert "model_name_or_path" in recipe and recipe["model_name_or_path"] is None, path.name
+    text = " ".join(header(path).replace("#", " ").split())
+    assert "--model_name_or_path" in text, f"{path.name}: its header does not say how to pass the model"
+    if "warmup" in recipe.get("demo", {}):
+        assert "armor-trl demo" in text and "armor-trl study" in text and "demo.warmup" in text, \
+            f"{path.name}: its header does not say that `armor-trl demo` / `study` build its model (demo.warmup)"

@@ -344,6 +344,16 @@ def test_study_folder_keeps_its_runs_when_only_the_study_section_changes(tmp_pat
         plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 2, "study": {"seeds": 3}}})
 
 
+def test_study_folder_keeps_its_runs_when_the_recipe_marks_its_model_unset(tmp_path):
+    """`model_name_or_path: null` in a recipe whose warm start builds the model changes no run: a folder made before
+    the recipe marked it resumes; a model the recipe names is a different recipe."""
+    folder = {"recipe": {"x": 1}, "smoke_overrides": {}, "arms": {"grpo": {}}, "model": "m"}
+    plan.check_study_folder(tmp_path, folder)
+    plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 1, "model_name_or_path": None}})
+    with pytest.raises(ValueError, match="different recipe"):
+        plan.check_study_folder(tmp_path, {**folder, "recipe": {"x": 1, "model_name_or_path": "other"}})
+
+
 def _write_run(path, values):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"step": 10 * i, "val/avg@4": v}) + "\n" for i, v in enumerate(values)))

@@ -41,10 +41,23 @@ def require_recipe(argv: list[str], command: str) -> None:
         raise ValueError(f"give a recipe: armor-trl {command} --config recipe.yaml [--field value ...] "
                          f"(armor-trl {command} --help lists the fields).")
     if not recipe_value(argv, "model_name_or_path") and not recipe_value(argv, "resume_best_as_reference"):
-        raise ValueError("model_name_or_path is required: set it in the recipe (--config) or pass --model_name_or_path.")
+        raise ValueError(f"model_name_or_path is required: {missing_model_hint(argv)}")
     if not recipe_value(argv, "dataset_name") and not recipe_value(argv, "datasets"):
         raise ValueError("dataset_name (or a datasets mixture) is required: set it in the recipe (--config) or pass "
                          "--dataset_name.")
+
+
+def missing_model_hint(argv: list[str]) -> str:
+    """Where a recipe's missing model comes from: a testbed recipe's model is the tiny one its ``demo.warmup`` builds,
+    which only ``armor-trl demo`` / ``study`` make (its header says so); any other recipe names one or takes the flag."""
+    demo = recipe_value(argv, "demo")
+    if isinstance(demo, dict) and "warmup" in demo:
+        config = recipe_value(argv, "config")
+        return (f"{config} trains the tiny model its demo: section warms up (demo.warmup), which `armor-trl demo "
+                f"--config {config}` and `armor-trl study --config {config}` build (cached in a cache/ folder beside "
+                "the study's folder; the study's summary.json names it as model); to train it with `armor-trl train`, "
+                "pass that checkpoint with --model_name_or_path.")
+    return "set it in the recipe (--config) or pass --model_name_or_path."
 
 
 def flag_hints(strings: list[str], known) -> str:

@@ -238,8 +238,10 @@ DEMO_ONLY_KEYS = ("arms", "seeds", "overrides", "smoke")  # demo: keys that shap
 
 
 def runs_recipe(recipe: dict | None) -> dict:
-    """What of a study's recipe shapes its runs: all but the ``study:`` section and :data:`DEMO_ONLY_KEYS`."""
-    recipe = {k: v for k, v in (recipe or {}).items() if k != "study"}
+    """What of a study's recipe shapes its runs: all but the ``study:`` section, :data:`DEMO_ONLY_KEYS` and an unset
+    ``model_name_or_path`` (the warm start fills it in; the plan's ``model`` is compared on its own)."""
+    recipe = {k: v for k, v in (recipe or {}).items()
+              if k != "study" and not (k == "model_name_or_path" and v is None)}
     if isinstance(recipe.get("demo"), dict):
         recipe["demo"] = {k: v for k, v in recipe["demo"].items() if k not in DEMO_ONLY_KEYS}
     return recipe
