@@ -245,3 +245,43 @@ def test_a_same_call_round_runs_its_candidates_in_environments_of_their_own(tool
     assert logged(trainer, "armor/anchor_same_call") == [1.0]
     check_anchor_environments(trainer, registry, batches, groups=2)
     assert logged(trainer, "armor/anchor_reward_mean") == [1.0]
+
+
+def closing_environment(registry: Registry, closed: list):
+    """counter_environment whose ``close`` is recorded, and raises for the first candidate instance closed."""
+    base = counter_environment(registry)
+
+    class ClosingEnvironment(base):
+        def close(self) -> None:
+            """
+            Close the environment.
+            """
+            if not closed:
+                closed.append(None)
+                raise OSError("the first one's close() failed")
+            closed.append(self)
+
+    return ClosingEnvironment
+
+
+@pytest.mark.parametrize("training_fails", [False, True], ids=["trained", "training_error"])
+def test_a_failing_close_neither_skips_the_others_nor_hides_the_training_error(tool_model, tool_tokenizer, tmp_path,
+                                                                              monkeypatch, training_fails):
+    registry, closed = Registry(), []
+
+    def reward(completions, answer, **kwargs):
+        if training_fails and trainer.state.global_step == 1:  # candidates' instances exist by now
+            raise ValueError("the training error")
+        return answer_reward(completions, answer)
+
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(1, 9)), tools=(),
+                                 environment_factory=closing_environment(registry, closed), reward_funcs=reward,
+                                 anchor_same_call=False)
+    ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn).install(monkeypatch)
+    expected = "the training error" if training_fails else r"close\(\) of 1 of .*the first one's close\(\) failed"
+    with pytest.raises(Exception, match=expected):  # (the reward's error reaches train() wrapped, naming it)
+        trainer.train()
+    candidates = registry.candidates_of(trainer)
+    assert len(candidates) >= 2 and closed[0] is None  # the first one's close() raised ...
+    assert {id(instance) for instance in closed[1:]} == {id(instance) for instance in candidates[1:]}  # ... the rest ran
+    assert trainer.anchor_rollout.environment_pool == {}
