@@ -371,15 +371,22 @@ def throwaway_turn(trainer: GRPOTrainer, prompt_ids: list[int]) -> None:
 
 def wrap_environment_resets(trainer: GRPOTrainer, hook) -> None:
     """Make every environment instance's ``reset`` (those in TRL's pool and every one its factories make from now on,
-    the candidates' among them) call ``hook(reset, **kwargs)`` instead; an instance that takes no new attribute
-    keeps its own."""
+    the candidates' among them) call ``hook(instance, reset, **kwargs)`` instead. The wrapper is set past the class's
+    own ``__setattr__`` (a pydantic model refuses new attributes, a frozen dataclass every attribute); an instance
+    that can hold no attribute of its own (``__slots__`` without ``'__dict__'``) is refused, naming why."""
 
     def wrapped(instance):
         reset = instance.reset
         try:
-            instance.reset = lambda **kwargs: hook(reset, **kwargs)
-        except (AttributeError, TypeError):
-            pass
+            object.__setattr__(instance, "reset", lambda **kwargs: hook(instance, reset, **kwargs))
+        except (AttributeError, TypeError) as error:
+            name = type(instance).__name__
+            raise ValueError(
+                f"use_anchors=True with environment_factory starts every reset of a group from one random state, "
+                f"which wraps each environment instance's reset, and {name}'s instances hold no attribute of their "
+                f"own ({name} defines __slots__ without '__dict__'; {error}). What works: add '__dict__' to {name}'s "
+                "__slots__, or train with use_anchors=False."
+            ) from error
         return instance
 
     def factory_of(make):

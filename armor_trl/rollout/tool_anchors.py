@@ -253,10 +253,9 @@ class ToolAnchorRollout(AnchorRollout):
 
         completion_ids, logprobs, anchors = super().generate(policy_trajectories, prompt_ids, group_size, inputs)
         if self.defers_candidates():  # groups that may draw after the refill loop: their candidates start from here
-            starts = [] if trainer.group_resets is None else trainer.group_resets.starts
-            self._batch_groups.update({
-                id(inputs[i]): (inputs[i], prompts[i], starts[i // group_size] if i // group_size < len(starts) else None)
-                for i in range(0, rows, group_size)})
+            starts = {} if trainer.group_resets is None else trainer.group_resets.starts
+            self._batch_groups.update({id(inputs[i]): (inputs[i], prompts[i], starts.get(i // group_size))
+                                       for i in range(0, rows, group_size)})
         trajectories = [self.trajectory(ids, prompt_ids[i], prompts[i], round_rows[i])
                         for i, ids in enumerate(completion_ids)]
         trainer.tool_round.trajectories = trajectories
@@ -316,10 +315,8 @@ class ToolAnchorRollout(AnchorRollout):
         # every group of the batch (a process's padding draws repeat one of them) with its round's chat prompt and the
         # random state its round's resets started from (GroupResets: its candidates reset from it, as in the round)
         self._group_prompts = {key: prompt for key, (_, prompt, _) in groups.items()}
-        states = [state for _, _, state in groups.values() if state is not None]
-        positions = iter(range(len(states)))
-        self._group_index = {key: next(positions) if state is not None else len(states)
-                             for key, (_, _, state) in groups.items()}
+        self._group_index = {key: index for index, key in enumerate(groups)}
+        states = {index: state for index, (_, _, state) in enumerate(groups.values()) if state is not None}
         self.trajectories, self._alive, self._handed_out, self._placed = {}, [], {}, []
         resets = self.trainer.group_resets
         round_starts = None if resets is None else resets.starts
