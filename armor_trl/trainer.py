@@ -48,7 +48,8 @@ from armor_trl.rewards.modes import resolve_classifier, resolve_prompt_classifie
 from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
 from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
 from armor_trl.rewards.checks import checked
-from armor_trl.rollout.tool_anchors import ToolLoopHooks, in_tool_turns, new_anchor_rollout
+from armor_trl.rollout.tool_anchors import ToolLoopHooks, new_anchor_rollout
+from armor_trl.rollout.tool_turns import in_tool_turns
 from armor_trl.rewards import math_verify_reward, verifier_timeouts
 from armor_trl.reference.vllm_server import ReferenceServer
 

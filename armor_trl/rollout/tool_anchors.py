@@ -47,7 +47,7 @@ from armor_trl.rollout.anchor_rollout import AnchorRollout
 from armor_trl.rollout.anchors import policy_rows
 from armor_trl.rollout.rollout_func import RolloutFuncAnchors
 from armor_trl.rollout.environment_resets import GroupResets
-from armor_trl.rollout.tool_turns import before_turn, turns_agreed
+from armor_trl.rollout.tool_turns import agreed_turn, in_tool_turns, tool_loop
 
 logger = logging.get_logger(__name__)
 
@@ -116,21 +116,6 @@ def counted_tools(row, log: MessageLog):
                                async_tools={name: counted_async(tool) for name, tool in row.async_tools.items()})
 
 
-def in_tool_turns(trainer) -> bool:
-    """Whether the trainer's generation is inside a tool loop (a turn after a tool result): such calls go straight
-    to TRL's generation, with whatever model is routed in."""
-    return getattr(trainer, "_armor_tool_turns", 0) > 0
-
-
-@contextlib.contextmanager
-def tool_turns(trainer):
-    trainer._armor_tool_turns = getattr(trainer, "_armor_tool_turns", 0) + 1
-    try:
-        yield
-    finally:
-        trainer._armor_tool_turns -= 1
-
-
 @dataclass
 class ToolRound:
     """A generation round as the tool loop's hooks see it."""
@@ -171,13 +156,13 @@ class ToolLoopHooks:
     def _tool_call_loop(self, prompts, prompt_ids, *loop_args):
         if self.tool_round is not None and self.tool_round.trajectories is not None:
             return finished_loop(self.tool_round.trajectories, prompts, prompt_ids, *loop_args)
-        with tool_turns(self), turns_agreed(self, prompt_ids):
+        with tool_loop(self, prompt_ids):
             return super()._tool_call_loop(prompts, prompt_ids, *loop_args)
 
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+    def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
         if in_tool_turns(self):  # a turn after a tool result: agreed with the other processes where calls are collective
-            before_turn(self)
-        return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            return agreed_turn(self, super()._generate_single_turn, prompt_ids, images, *args, **kwargs)
+        return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
 
 
 def new_anchor_rollout(trainer, train_dataset, rollout_func=None) -> AnchorRollout:
@@ -358,8 +343,7 @@ class ToolAnchorRollout(AnchorRollout):
             images, fields = trainer.media_for(prompt_ids)
             loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
             counted = [counted_tools(row, log) for row, log in zip(rows, completions, strict=True)]
-            with (trl_generation.tool_rows_as(trainer, counted), tool_turns(trainer),
-                  turns_agreed(trainer, prompt_ids)):
+            with trl_generation.tool_rows_as(trainer, counted), tool_loop(trainer, prompt_ids):
                 mask, completions, ids, loop_logprobs, _, _, tool_images = trl_generation.tool_call_loop(
                     trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids],
                     completions, loop_logprobs, images, fields)
