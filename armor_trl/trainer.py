@@ -48,8 +48,7 @@ from armor_trl.rewards.modes import resolve_classifier, resolve_prompt_classifie
 from armor_trl.rollout.multimodal import RowMedia, forward_kwargs
 from armor_trl.reference.policy import ReferenceResetCallback, build_reference, copy_model_for_reference
 from armor_trl.rewards.checks import checked
-from armor_trl.rollout.tool_anchors import ToolLoopHooks, new_anchor_rollout
-from armor_trl.rollout.tool_turns import in_tool_turns
+from armor_trl.rollout.tool_anchors import ToolLoopHooks, in_tool_turns, new_anchor_rollout
 from armor_trl.rewards import math_verify_reward, verifier_timeouts
 from armor_trl.reference.vllm_server import ReferenceServer
 
@@ -74,6 +73,7 @@ def model_card_settings(args: ArmorConfig) -> str:
     return "\n## ARMOR settings\n\n| field | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
+# tools / environment_factory: ToolLoopHooks (rollout/tool_anchors.py) overrides five hooks, one chain in TRL's order
 class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
     """Drop-in replacement for ``trl.GRPOTrainer`` that trains with ARMOR (arXiv 2607.10481).
 

@@ -125,33 +125,28 @@ class ToolRound:
 
 
 class ToolLoopHooks:
-    """ArmorGRPOTrainer's hooks into TRL's tool loop (a mixin before GRPOTrainer): ``_generate`` starts each round's
-    :class:`ToolRound` (``trainer.tool_round``), and ``_tool_call_loop`` answers for an anchored round whose
-    trajectories the anchor rollout ran already; elsewhere TRL's loop runs, its turns marked (:func:`in_tool_turns`)
-    and agreed with the other processes (:mod:`~armor_trl.rollout.tool_turns`). An anchored round's environment resets
-    start alike per group (:mod:`~armor_trl.rollout.environment_resets`); ``train`` closes the candidates'
-    environments."""
+    """ArmorGRPOTrainer's hooks into TRL's tool loop (a mixin before GRPOTrainer), in the order TRL calls them:
+
+    1. ``_generate_and_score_completions``: an anchored round's environment resets start alike per group
+       (:mod:`~armor_trl.rollout.environment_resets`; TRL resets its rows' environments next);
+    2. ``_generate``: starts the round's :class:`ToolRound` (``trainer.tool_round``, its chat prompts after reset);
+    3. ``_tool_call_loop``: answers for an anchored round whose trajectories the anchor rollout ran already
+       (:func:`finished_loop`); elsewhere TRL's loop runs within :func:`~armor_trl.rollout.tool_turns.tool_loop`;
+    4. ``_generate_single_turn``: a turn after a tool result, agreed with the other processes
+       (:func:`~armor_trl.rollout.tool_turns.agreed_turn`);
+    5. ``train``: closes π_ref's candidates' environments at the end.
+    """
 
     tool_round: ToolRound | None = None
-
-    def _generate(self, prompts):
-        self.tool_round = ToolRound(prompts)
-        return super()._generate(prompts)
-
-    def train(self, *args, **kwargs):
-        close = getattr(self.anchor_rollout, "close_environments", lambda raising: None)  # π_ref's candidates'
-        try:
-            output = super().train(*args, **kwargs)
-        except BaseException:
-            close(raising=False)  # (the training error is the one raised; a failing close() is logged)
-            raise
-        close(raising=True)
-        return output
 
     def _generate_and_score_completions(self, inputs):
         if self.group_resets is not None and self._round.inputs is not None:  # an anchored round (ArmorGRPOTrainer's)
             self.group_resets.start_round(len(inputs), self.num_generations)  # TRL resets its rows' environments next
         return super()._generate_and_score_completions(inputs)
+
+    def _generate(self, prompts):
+        self.tool_round = ToolRound(prompts)
+        return super()._generate(prompts)
 
     def _tool_call_loop(self, prompts, prompt_ids, *loop_args):
         if self.tool_round is not None and self.tool_round.trajectories is not None:
@@ -163,6 +158,16 @@ class ToolLoopHooks:
         if in_tool_turns(self):  # a turn after a tool result: agreed with the other processes where calls are collective
             return agreed_turn(self, super()._generate_single_turn, prompt_ids, images, *args, **kwargs)
         return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        close = getattr(self.anchor_rollout, "close_environments", lambda raising: None)  # π_ref's candidates'
+        try:
+            output = super().train(*args, **kwargs)
+        except BaseException:
+            close(raising=False)  # (the training error is the one raised; a failing close() is logged)
+            raise
+        close(raising=True)
+        return output
 
 
 def new_anchor_rollout(trainer, train_dataset, rollout_func=None) -> AnchorRollout:
