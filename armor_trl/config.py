@@ -230,8 +230,9 @@ class ArmorConfig(GRPOConfig):
             "a few optimizer steps per rollout batch) whose rounds keep a small share of their groups otherwise needs "
             "several capped refill rounds, each a generate call for the policy and, under the gate, one for π_ref's "
             "candidates, whose fixed cost dominates there; sized to what is missing in one round, it needs fewer. "
-            "What trains is the same (the first kept groups of the same prompt stream); a round holds up to this many "
-            "groups × num_generations rows in one generate call."
+            "What trains is the same in distribution, not the same groups: a round's size changes which prompts each "
+            "process draws from the prompt stream. A round holds up to this many groups × num_generations rows in one "
+            "generate call."
         },
     )
     advantage_quantile: float | None = field(

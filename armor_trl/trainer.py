@@ -73,6 +73,7 @@ def model_card_settings(args: ArmorConfig) -> str:
     return "\n## ARMOR settings\n\n| field | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
+# tools / environment_factory: ToolLoopHooks (rollout/tool_anchors.py) overrides five hooks, one chain in TRL's order
 class ArmorGRPOTrainer(ToolLoopHooks, GRPOTrainer):
     """Drop-in replacement for ``trl.GRPOTrainer`` that trains with ARMOR (arXiv 2607.10481).
 

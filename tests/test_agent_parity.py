@@ -518,13 +518,13 @@ def test_a_finished_loop_joins_the_other_processes_turns_with_throwaway_turns(to
     monkeypatch.setattr(trl_generation, "generation_is_collective", lambda trainer: True)
     asked = Counter()
 
-    def anyone_generates(agreement, generating):
-        if generating:
-            return True
+    def most_rows(agreement, rows):
+        if rows:
+            return rows
         asked[id(agreement)] += 1
-        return asked[id(agreement)] <= 2  # the other process: two more turns after this one's last
+        return int(asked[id(agreement)] <= 2)  # the other process: two more turns (of one row) after this one's last
 
-    monkeypatch.setattr(tool_turns.TurnAgreement, "_anyone_generates", anyone_generates)
+    monkeypatch.setattr(tool_turns.TurnAgreement, "_most_rows", most_rows)
     trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), anchor_same_call=False)
     with_tool = multiply_turn()
     fake = ToolFake(tool_tokenizer, trainer, reference_turn=lambda text: with_tool(text) if "u:" in text else "</s>")
@@ -539,3 +539,27 @@ def test_a_finished_loop_joins_the_other_processes_turns_with_throwaway_turns(to
     assert all("u:" not in texts[0] for _, texts in throwaway)  # one token of a prompt, not a row's question
     for batch in batches:  # the rounds are what they are without the other process
         assert len(anchor_rows(batch)) == 2
+
+
+def test_a_throwaway_turn_decodes_one_token(tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    """On the transformers path (ZeRO-3, FSDP: every process decodes in lockstep until all are done) a throw-away
+    turn decodes one token, counted at the real model's ``generate``; training's settings are back afterwards."""
+    from transformers import LlamaForCausalLM
+
+    from armor_trl.integration import trl_generation
+
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)))
+    decoded, generate = [], LlamaForCausalLM.generate
+
+    def counted(model, input_ids=None, **kwargs):
+        output = generate(model, input_ids=input_ids, **kwargs)
+        decoded.append(output.size(1) - input_ids.size(1))
+        return output
+
+    monkeypatch.setattr(LlamaForCausalLM, "generate", counted)
+    config = trainer.generation_config
+    for seed in range(3):
+        torch.manual_seed(seed)
+        trl_generation.throwaway_turn(trainer, tool_tokenizer("u:5*3?")["input_ids"][:1])
+    assert decoded == [1, 1, 1]
+    assert trainer.generation_config is config and config.max_new_tokens == trainer.max_completion_length

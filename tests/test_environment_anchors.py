@@ -8,14 +8,16 @@ them, so each test can say which instance a candidate ran in and what its reward
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
 
+import pydantic
 import pytest
 
-from testing import (Registry, ToolFake, anchor_rows, build_tool_trainer, capture_rounds, chat_numbers,
-                     counter_environment, last_tool_result, logged, row_text, tool_call)
+from testing import (G, Registry, ToolFake, anchor_rows, build_tool_trainer, capture_rounds, chat_numbers,
+                     counter_environment, cpu_args, last_tool_result, logged, row_text, tool_call)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -245,3 +247,176 @@ def test_a_same_call_round_runs_its_candidates_in_environments_of_their_own(tool
     assert logged(trainer, "armor/anchor_same_call") == [1.0]
     check_anchor_environments(trainer, registry, batches, groups=2)
     assert logged(trainer, "armor/anchor_reward_mean") == [1.0]
+
+
+def closing_environment(registry: Registry, closed: list):
+    """counter_environment whose ``close`` is recorded, and raises for the first candidate instance closed."""
+    base = counter_environment(registry)
+
+    class ClosingEnvironment(base):
+        def close(self) -> None:
+            """
+            Close the environment.
+            """
+            if not closed:
+                closed.append(None)
+                raise OSError("the first one's close() failed")
+            closed.append(self)
+
+    return ClosingEnvironment
+
+
+@pytest.mark.parametrize("training_fails", [False, True], ids=["trained", "training_error"])
+def test_a_failing_close_neither_skips_the_others_nor_hides_the_training_error(tool_model, tool_tokenizer, tmp_path,
+                                                                              monkeypatch, training_fails):
+    registry, closed = Registry(), []
+
+    def reward(completions, answer, **kwargs):
+        if training_fails and trainer.state.global_step == 1:  # candidates' instances exist by now
+            raise ValueError("the training error")
+        return answer_reward(completions, answer)
+
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(1, 9)), tools=(),
+                                 environment_factory=closing_environment(registry, closed), reward_funcs=reward,
+                                 anchor_same_call=False)
+    ToolFake(tool_tokenizer, trainer, reference_turn=increment_turn).install(monkeypatch)
+    expected = "the training error" if training_fails else r"close\(\) of 1 of .*the first one's close\(\) failed"
+    with pytest.raises(Exception, match=expected):  # (the reward's error reaches train() wrapped, naming it)
+        trainer.train()
+    candidates = registry.candidates_of(trainer)
+    assert len(candidates) >= 2 and closed[0] is None  # the first one's close() raised ...
+    assert {id(instance) for instance in closed[1:]} == {id(instance) for instance in candidates[1:]}  # ... the rest ran
+    assert trainer.anchor_rollout.environment_pool == {}
+
+
+# --- environments of every kind TRL takes (a group's resets share one random state) -----------------------------
+SECRETS: list = []  # (environment class, the row's question, the secret its reset drew), every reset in order
+
+
+def reveal(self) -> int:
+    """
+    Reveals the secret.
+
+    Returns:
+        The secret.
+    """
+    return self.state["secret"]
+
+
+def secret_reset(self, **kwargs):
+    """Draw a secret from Python's global generator (hidden: the observation does not show it)."""
+    self.state["secret"] = random.randint(0, 10**6)
+    SECRETS.append((type(self).__name__, kwargs["prompt"][-1]["content"], self.state["secret"]))
+
+
+class PlainSecret:
+    def __init__(self):
+        self.state = {}
+
+    reset, reveal = secret_reset, reveal
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenSecret:
+    state: dict = dataclasses.field(default_factory=dict)
+    reset, reveal = secret_reset, reveal
+
+
+class PydanticSecret(pydantic.BaseModel):
+    state: dict = {}
+    reset, reveal = secret_reset, reveal
+
+
+class SlottedSecret:
+    __slots__ = ("state",)
+
+    def __init__(self):
+        self.state = {}
+
+    reset, reveal = secret_reset, reveal
+
+
+def reveal_turn(text: str) -> str:
+    result = last_tool_result(text)
+    return f"{result}</s>" if result is not None else tool_call("reveal")
+
+
+def solved(completions, environments, **kwargs):
+    return [float(c[-1]["content"].strip() == str(env.state.get("secret"))) for c, env in zip(completions, environments)]
+
+
+def secret_trainer(tool_model, tool_tokenizer, tmp_path, factory, data=None):
+    return build_tool_trainer(tool_model, tool_tokenizer, tmp_path, data or chat_numbers(range(8)), tools=(),
+                              environment_factory=factory, reward_funcs=solved, anchor_same_call=False)
+
+
+class SlottedWithDictSecret(SlottedSecret):
+    __slots__ = ("__dict__",)
+
+
+@pytest.mark.parametrize("factory", [FrozenSecret, {"plain": PlainSecret, "frozen": FrozenSecret,
+                                                    "slotted": SlottedWithDictSecret}],
+                         ids=["frozen_dataclass", "mixed"])
+def test_every_kind_of_environment_trains_its_groups_resets_from_one_random_state(tool_model, tool_tokenizer, tmp_path,
+                                                                                   monkeypatch, factory):
+    """A frozen dataclass, or several classes mixed by the ``environment`` column: every reset of a group (the
+    policy's G, π_ref's K candidates') draws the group's hidden secret, so the anchors solved their own group's task;
+    no candidate is reset with another group's."""
+    SECRETS.clear()
+    data = chat_numbers(range(8))
+    if isinstance(factory, dict):
+        data = data.add_column("environment", ["plain", "frozen", "slotted", "frozen"] * 2)
+    trainer = secret_trainer(tool_model, tool_tokenizer, tmp_path, factory, data)
+    ToolFake(tool_tokenizer, trainer, reference_turn=reveal_turn).install(monkeypatch)
+    random.seed(0)
+    trainer.train()
+    drawn = {}
+    for kind, row, secret in SECRETS:
+        drawn.setdefault((kind, row), set()).add(secret)
+    assert len(drawn) == 4 and all(len(secrets) == 1 for secrets in drawn.values()), drawn
+    assert len(SECRETS) == 4 * (G + 2)  # each group: its G rows and K = 2 candidates
+    if isinstance(factory, dict):
+        assert len({kind for kind, _ in drawn}) >= 2
+    assert logged(trainer, "armor/anchor_reward_mean") == [1.0, 1.0]
+
+
+def test_an_environment_that_takes_no_attribute_is_refused_with_anchors_naming_why(tool_model, tool_tokenizer,
+                                                                                    tmp_path):
+    for factory in (SlottedSecret, {"plain": PlainSecret, "slotted": SlottedSecret}):
+        with pytest.raises(ValueError, match=r"SlottedSecret.*__slots__.*'__dict__'.*use_anchors=False"):
+            secret_trainer(tool_model, tool_tokenizer, tmp_path, factory)
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(8)), tools=(),
+                                 environment_factory=SlottedSecret, reward_funcs=solved, use_anchors=False)
+    assert trainer.anchor_rollout is None  # (without anchors no reset is wrapped: TRL's own path)
+
+
+def test_a_pydantic_model_environment_is_built_and_goes_as_far_as_plain_grpo(tool_model, tool_tokenizer, tmp_path,
+                                                                             monkeypatch):
+    """A pydantic model takes no new attribute through its own ``__setattr__``; the trainer is built all the same and
+    its resets are grouped (a group's and its candidates' secrets alike). Training goes as far as plain GRPOTrainer
+    goes: with a chat template that renders tools, transformers cannot render pydantic's own public methods (``copy``,
+    ``model_dump``, ...), which TRL exposes as tools, and both stop there with the same error."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    trainer = secret_trainer(tool_model, tool_tokenizer, tmp_path / "armor", PydanticSecret)
+    resets, make = trainer.group_resets, trainer.environment_factories[None]
+    trainer.environments = [make() for _ in range(4)]  # a round of 2 groups of 2, as TRL hands them out
+    resets.start_round(4, 2)
+    SECRETS.clear()
+    random.seed(0)
+    for row, instance in enumerate(trainer.environments):
+        instance.reset(prompt=[{"role": "user", "content": f"q{row // 2}"}])
+    with resets.as_group(1):
+        make().reset(prompt=[{"role": "user", "content": "q1"}])  # a candidate of group 1
+    secrets = [secret for *_, secret in SECRETS]
+    assert secrets[0] == secrets[1] != secrets[2] == secrets[3] == secrets[4]
+    ToolFake(tool_tokenizer, trainer, reference_turn=reveal_turn).install(monkeypatch)
+    trainer.environments = None
+    with pytest.raises(Exception) as armor:
+        trainer.train()
+    plain = GRPOTrainer(model=tool_model, reward_funcs=solved, train_dataset=chat_numbers(range(8)),
+                        processing_class=tool_tokenizer, environment_factory=PydanticSecret,
+                        args=GRPOConfig(str(tmp_path / "grpo"), **cpu_args(per_device_train_batch_size=8,
+                                                                           max_completion_length=96)))
+    with pytest.raises(type(armor.value), match=re.escape(str(armor.value)[:40])):
+        plain.train()

@@ -8,6 +8,7 @@ rows fail, every anchor is a π_ref trajectory with a tool call, and what each r
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ from datasets import Dataset
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 from testing import (G, ToolFake, anchor_rows, answer_reward, async_multiply, build_tool_trainer, capture_rounds,
-                     chat_numbers, cpu_args, divide, logged, multiply, row_text, tool_call)
+                     chat_numbers, cpu_args, divide, last_tool_result, logged, multiply, row_text, tool_call)
 
 
 @pytest.mark.parametrize("tool", [multiply, async_multiply], ids=["sync", "async"])
@@ -154,6 +155,69 @@ def test_a_cached_anchor_keeps_the_tool_mask_of_the_loop_that_made_it(tool_model
     trainer.anchor_rollout.kept = {}
     part.load_state_dict(saved)
     assert trainer.anchor_rollout.kept == kept
+
+
+def counting(tool, calls: list):
+    """``tool`` (its schema kept) recording each call in ``calls``."""
+    @functools.wraps(tool)
+    def call(*args, **kwargs):
+        calls.append(kwargs)
+        return tool(*args, **kwargs)
+
+    return call
+
+
+def test_trls_tool_metrics_count_a_cached_anchors_calls_once(tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    """TRL's ``tools/*`` count the calls its loop ran for the round's rows: a cached anchor replayed in a later round
+    ran none (its stored calls are not counted again); the anchors' own metric still counts the calls its row holds."""
+    calls, per_round = [], []
+    data = chat_numbers([1, 2] * 8)
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, data, tools=(counting(multiply, calls),),
+                                 anchor_same_call=False, anchor_cache=True, shuffle_dataset=False)
+    ToolFake(tool_tokenizer, trainer).install(monkeypatch)
+    batches = capture_rounds(trainer)
+    generate = trainer.anchor_rollout.generate
+
+    def counted_round(*args):
+        before = len(calls)
+        output = generate(*args)
+        anchors = output[2]
+        per_round.append((len(calls) - before, int(anchors.found.sum()), float(anchors.cache_hits[0])))
+        return output
+
+    trainer.anchor_rollout.generate = counted_round
+    trainer.train()
+    assert [hits for *_, hits in per_round] == [0.0, 2.0]  # the second round's anchors are the cache's
+    # by hand: the calls that went into the round's rows (the anchors' trajectories; the policy calls no tool)
+    in_rows = [0 if hits else found for _, found, hits in per_round]
+    assert logged(trainer, "tools/call_frequency") == pytest.approx([n / len(batch["completion_ids"])
+                                                                     for n, batch in zip(in_rows, batches)])
+    assert logged(trainer, "armor/anchor_tool_call_frequency") == [1.0, 1.0]
+
+
+def test_trls_tool_metrics_count_a_filler_slot_once(tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    """Under dynamic sampling a group whose anchor waits for the refill loop (``anchor_deferred``) fills its slot
+    with its first on-policy row meanwhile, the very trajectory that row holds: TRL's ``tools/*`` count that
+    trajectory's calls once, as its loop ran them once."""
+    calls, answers = [], iter(range(10**6))
+
+    def policy_turn(text):  # call the tool, then answer with its result on every other row (mixed groups: kept)
+        result = last_tool_result(text)
+        if result is None:
+            return tool_call("multiply", a=int(re.search(r"u:(\d+)\*", text).group(1)), b=3)
+        return f"{result}</s>" if next(answers) % 2 == 0 else "7</s>"
+
+    trainer = build_tool_trainer(tool_model, tool_tokenizer, tmp_path, chat_numbers(range(1, 9)),
+                                 tools=(counting(multiply, calls),), anchor_same_call=False, max_steps=1,
+                                 dynamic_sampling=True, anchor_filter="keep")
+    ToolFake(tool_tokenizer, trainer, reference_turn=lambda text: "5</s>", policy_turn=policy_turn,
+             policy_tools=True).install(monkeypatch)
+    trainer.train()
+    assert logged(trainer, "armor/generation_rounds") == [1.0] and trainer.anchor_rollout.counts["deferred_calls"]
+    # by hand: one call per on-policy row (2 groups of G - 1), over the round's 8 rows
+    assert len(calls) == 2 * (G - 1)
+    assert logged(trainer, "tools/call_frequency") == [pytest.approx(len(calls) / (2 * G))]
+    assert logged(trainer, "armor/policy_tool_call_frequency") == [1.0]
 
 
 def test_what_tool_anchors_cannot_combine_with_is_refused_naming_why(tool_model, tool_tokenizer, tmp_path):

@@ -118,3 +118,22 @@ def test_a_resumed_run_repeats_the_next_batch_exactly(tool_model, tool_tokenizer
     for key in ("completion_ids", "tool_mask", "armor_is_anchor", "advantages"):
         assert torch.equal(resumed_batches[0][key], straight_batches[-1][key]), key
     assert logged(resumed, "loss")[-1] == pytest.approx(logged(straight, "loss")[-1])
+
+
+def test_deferred_anchors_log_their_tool_calls_when_placed(tool_model, tool_tokenizer, tmp_path, monkeypatch):
+    """The default path (candidates drawn after the refill loop): the anchors' tool metrics are logged when they are
+    placed, with the meaning they have in a round (tool calls per anchor row, failed calls per call), counted here by
+    hand from the anchor rows of each batch."""
+    from testing import anchor_rows, row_text
+
+    trainer, batches, _ = run(tool_model, tool_tokenizer, tmp_path, monkeypatch)
+    assert trainer.anchor_rollout.counts["deferred_calls"] == 3
+    expected = []
+    for batch in batches:  # (a batch whose deferred draw found no anchor logs none: NaN is left out)
+        calls = [row_text(tool_tokenizer, batch, row).count("<tool_call>") for row in anchor_rows(batch)]
+        if calls:
+            expected.append(sum(calls) / len(calls))
+    assert len(expected) >= 2
+    assert logged(trainer, "armor/anchor_tool_call_frequency") == pytest.approx(expected)
+    assert logged(trainer, "armor/anchor_tool_failure_frequency") == [0.0] * len(expected)  # multiply never fails
+    assert len(logged(trainer, "armor/policy_tool_call_frequency")) == 3

@@ -192,3 +192,36 @@ def test_surface_check_detects_a_generate_that_no_longer_calls_the_rollout_func(
 
     monkeypatch.setattr(trl.GRPOTrainer, "_generate", _generate)
     assert any("rollout_func" in p for p in trl_seam.check_trl_surface())
+
+
+def test_the_environment_row_helpers_restate_trls_inline_code():
+    """trl_generation's helpers for environment rows (``prompt_after_reset``, ``reset_kwargs``, ``default_prompt``,
+    ``environment_tool_row``) restate statements TRL makes inline in ``_generate_and_score_completions``: that code is
+    pinned here, so a TRL release that changes how it resets, appends an observation, defaults a prompt or builds a
+    row's tool dicts fails this test and the helpers are read again. (Their behaviour against TRL's own training:
+    tests/test_environment_anchors.py.)"""
+    import inspect
+    import re as regex
+
+    from trl import GRPOTrainer
+
+    source = regex.sub(r"\s+", " ", inspect.getsource(GRPOTrainer._generate_and_score_completions))
+    for statement in (
+        'prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]',  # default_prompt
+        'reset_kwargs = {k: v for k, v in x.items() if k != "environment"} if self._multi_environment else x',
+        "observation = environment.reset(**reset_kwargs)",
+        'if isinstance(observation, list) and isinstance(content, str): content = [{"type": "text", "text": content}]',
+        'if isinstance(observation, str) and isinstance(content, list): observation = [{"type": "text", "text": '
+        'observation}]',  # prompt_after_reset
+        'prompts[i] = prompt[:-1] + [{**prompt[-1], "content": content + observation}]',
+        'if member_name not in ("reset", "get_reward") and not member_name.startswith("_")',  # environment_tool_row
+        "for tool in self._standalone_tools + methods: if inspect.iscoroutinefunction(tool):",
+    ):
+        assert statement in source, statement
+    from armor_trl.integration import trl_generation
+
+    prompt = [{"role": "user", "content": "q"}]
+    assert trl_generation.prompt_after_reset(prompt, " obs") == [{"role": "user", "content": "q obs"}]
+    assert trl_generation.prompt_after_reset(prompt, [{"type": "image"}]) == [
+        {"role": "user", "content": [{"type": "text", "text": "q"}, {"type": "image"}]}]
+    assert trl_generation.ENVIRONMENT_ONLY_METHODS == ("reset", "get_reward")

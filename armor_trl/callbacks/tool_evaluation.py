@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 
 from armor_trl.integration import trl_generation
-from armor_trl.rollout.tool_anchors import MessageLog, tool_turns
-from armor_trl.rollout.tool_turns import turns_agreed
+from armor_trl.rollout.tool_anchors import MessageLog
+from armor_trl.rollout.tool_turns import tool_loop
 
 
 @dataclass
@@ -62,7 +62,7 @@ def _run_tool_loop(trainer, prompts: list, prompt_ids: list, first_ids: list) ->
     tools = trl_generation.row_tools(trainer, rows)
     messages = [MessageLog(m) for m in trl_generation.decode_for_rewards(trainer, prompt_ids, first_ids, prompts, tools)]
     # (turns agreed with the other processes where a generation call is collective, as in training's loops)
-    with trl_generation.tool_rows_as(trainer, rows), tool_turns(trainer), turns_agreed(trainer, prompt_ids):
+    with trl_generation.tool_rows_as(trainer, rows), tool_loop(trainer, prompt_ids):
         _, messages, ids, _, _, _, _ = trl_generation.tool_call_loop(
             trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids], messages,
             None, None, {})

@@ -10,6 +10,7 @@ there (``OVERRIDDEN``, ``ATTRIBUTES``, ``HELPERS``, ...) and verified by ``trl_s
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 
@@ -363,23 +364,51 @@ def generation_is_collective(trainer: GRPOTrainer) -> bool:
     return trainer.is_fsdp_enabled
 
 
-def throwaway_turn(trainer: GRPOTrainer, prompt_ids: list[int]) -> None:
-    """One generation call on TRL's path (the model routed in now) for one row whose completion nobody reads: what a
-    process whose tool loop has finished makes while another's still generates, so that the collective calls match."""
-    GRPOTrainer._generate_single_turn(trainer, [list(prompt_ids)], None, {}, 1)
+def generation_slices_rows(trainer: GRPOTrainer) -> bool:
+    """Whether TRL's generation gathers every process's rows and hands each process back the slice at
+    ``process_index × its row count`` (vLLM in server mode; colocated with tensor parallelism, within each group):
+    right only when every process sends as many rows."""
+    if trainer.accelerator.num_processes < 2 or not trainer.use_vllm:
+        return False
+    return trainer.vllm_mode == "server" or getattr(trainer.vllm_generation, "tensor_parallel_size", 1) > 1
+
+
+def throwaway_turn(trainer: GRPOTrainer, prompt_ids: list[int], rows: int = 1) -> None:
+    """One generation call on TRL's path (the model routed in now) for ``rows`` rows whose completions nobody reads:
+    what a process whose tool loop has finished makes while another's still generates, so that the collective calls
+    match. On the transformers paths it decodes one token (the other settings training's); with vLLM the engine's
+    settings stay (the server samples every process's rows with the main process's, a tensor-parallel group its
+    ranks' alike)."""
+    if trainer.use_vllm:
+        GRPOTrainer._generate_single_turn(trainer, [list(prompt_ids)] * rows, None, {}, 1)
+        return
+    saved, config = trainer.generation_config, copy.deepcopy(trainer.generation_config)
+    config.max_new_tokens, config.min_new_tokens, config.min_length = 1, None, 0
+    trainer.generation_config = config
+    try:
+        GRPOTrainer._generate_single_turn(trainer, [list(prompt_ids)] * rows, None, {}, 1)
+    finally:
+        trainer.generation_config = saved
 
 
 def wrap_environment_resets(trainer: GRPOTrainer, hook) -> None:
     """Make every environment instance's ``reset`` (those in TRL's pool and every one its factories make from now on,
-    the candidates' among them) call ``hook(reset, **kwargs)`` instead; an instance that takes no new attribute
-    keeps its own."""
+    the candidates' among them) call ``hook(instance, reset, **kwargs)`` instead. The wrapper is set past the class's
+    own ``__setattr__`` (a pydantic model refuses new attributes, a frozen dataclass every attribute); an instance
+    that can hold no attribute of its own (``__slots__`` without ``'__dict__'``) is refused, naming why."""
 
     def wrapped(instance):
         reset = instance.reset
         try:
-            instance.reset = lambda **kwargs: hook(reset, **kwargs)
-        except (AttributeError, TypeError):
-            pass
+            object.__setattr__(instance, "reset", lambda **kwargs: hook(instance, reset, **kwargs))
+        except (AttributeError, TypeError) as error:
+            name = type(instance).__name__
+            raise ValueError(
+                f"use_anchors=True with environment_factory starts every reset of a group from one random state, "
+                f"which wraps each environment instance's reset, and {name}'s instances hold no attribute of their "
+                f"own ({name} defines __slots__ without '__dict__'; {error}). What works: add '__dict__' to {name}'s "
+                "__slots__, or train with use_anchors=False."
+            ) from error
         return instance
 
     def factory_of(make):

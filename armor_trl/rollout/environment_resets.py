@@ -39,25 +39,34 @@ class GroupResets:
     """The random state each group's resets start from, in the round being generated."""
 
     def __init__(self, trainer):
+        self.trainer = trainer
         self.rows, self.group_size, self.seen = 0, 1, 0
-        self.starts: list = []  # per group of the round: the generators' state before its first reset
+        self.starts: dict = {}  # per group of the round (by index): the generators' state before its first reset
         self._after_first = None
         trl_generation.wrap_environment_resets(trainer, self._reset)
 
     def start_round(self, rows: int, group_size: int) -> None:
         """TRL's resets of the policy's ``rows`` (groups of ``group_size`` in row order) come next."""
-        self.rows, self.group_size, self.seen, self.starts = rows, group_size, 0, []
+        self.rows, self.group_size, self.seen, self.starts = rows, group_size, 0, {}
 
-    def _reset(self, reset, **kwargs):
-        if self.seen >= self.rows:  # not one of TRL's resets of the round's rows: a candidate's, or outside a round
+    def _row(self, instance) -> int | None:
+        """The round's row whose environment ``instance`` is (TRL's list of the round's instances), else None."""
+        return next((row for row, environment in enumerate(self.trainer.environments or [])
+                     if environment is instance), None)
+
+    def _reset(self, instance, reset, **kwargs):
+        row = self._row(instance) if self.seen < self.rows else None
+        if row is None:  # not one of TRL's resets of the round's rows: a candidate's, or outside a round
             return reset(**kwargs)
-        member, self.seen = self.seen % self.group_size, self.seen + 1
+        # grouped by the row's own index, so nothing else TRL resets (or does not) can shift a group onto another
+        self.seen += 1
+        group, member = divmod(row, self.group_size)
         if member == 0:
-            self.starts.append(rng_state())
+            self.starts[group] = rng_state()
             observation = reset(**kwargs)
             self._after_first = rng_state()
             return observation
-        set_rng_state(self.starts[-1])
+        set_rng_state(self.starts[group])
         try:
             return reset(**kwargs)
         finally:
@@ -67,7 +76,7 @@ class GroupResets:
     def as_group(self, group: int):
         """Within the block (a candidate's reset) the generators hold group ``group``'s starting state; afterwards
         they are as they were found. A no-op for a group whose resets were not seen (outside an anchored round)."""
-        if group >= len(self.starts):
+        if group not in self.starts:
             yield
             return
         found = rng_state()

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from transformers.utils import logging
 
 from armor_trl.integration import trl_generation
 from armor_trl.integration import trl_seam as seam
@@ -46,7 +47,9 @@ from armor_trl.rollout.anchor_rollout import AnchorRollout
 from armor_trl.rollout.anchors import policy_rows
 from armor_trl.rollout.rollout_func import RolloutFuncAnchors
 from armor_trl.rollout.environment_resets import GroupResets
-from armor_trl.rollout.tool_turns import before_turn, turns_agreed
+from armor_trl.rollout.tool_turns import agreed_turn, in_tool_turns, tool_loop
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Trajectory:
     logprobs: list | None = None  # the engine's sampling log-probs (vLLM), None elsewhere
     calls: int = 0  # tool calls TRL ran for it (a result it dropped for overflowing the budget included)
     failures: int = 0  # of which failed (TRL's error result: an unknown tool, bad arguments, an exception)
+    ran: bool = True  # its loop ran this round (False: a cached anchor's stored trajectory, replayed)
 
 
 class MessageLog(list):
@@ -112,21 +116,6 @@ def counted_tools(row, log: MessageLog):
                                async_tools={name: counted_async(tool) for name, tool in row.async_tools.items()})
 
 
-def in_tool_turns(trainer) -> bool:
-    """Whether the trainer's generation is inside a tool loop (a turn after a tool result): such calls go straight
-    to TRL's generation, with whatever model is routed in."""
-    return getattr(trainer, "_armor_tool_turns", 0) > 0
-
-
-@contextlib.contextmanager
-def tool_turns(trainer):
-    trainer._armor_tool_turns = getattr(trainer, "_armor_tool_turns", 0) + 1
-    try:
-        yield
-    finally:
-        trainer._armor_tool_turns -= 1
-
-
 @dataclass
 class ToolRound:
     """A generation round as the tool loop's hooks see it."""
@@ -136,40 +125,49 @@ class ToolRound:
 
 
 class ToolLoopHooks:
-    """ArmorGRPOTrainer's hooks into TRL's tool loop (a mixin before GRPOTrainer): ``_generate`` starts each round's
-    :class:`ToolRound` (``trainer.tool_round``), and ``_tool_call_loop`` answers for an anchored round whose
-    trajectories the anchor rollout ran already; elsewhere TRL's loop runs, its turns marked (:func:`in_tool_turns`)
-    and agreed with the other processes (:mod:`~armor_trl.rollout.tool_turns`). An anchored round's environment resets
-    start alike per group (:mod:`~armor_trl.rollout.environment_resets`); ``train`` closes the candidates'
-    environments."""
+    """ArmorGRPOTrainer's hooks into TRL's tool loop (a mixin before GRPOTrainer), in the order TRL calls them:
+
+    1. ``_generate_and_score_completions``: an anchored round's environment resets start alike per group
+       (:mod:`~armor_trl.rollout.environment_resets`; TRL resets its rows' environments next);
+    2. ``_generate``: starts the round's :class:`ToolRound` (``trainer.tool_round``, its chat prompts after reset);
+    3. ``_tool_call_loop``: answers for an anchored round whose trajectories the anchor rollout ran already
+       (:func:`finished_loop`); elsewhere TRL's loop runs within :func:`~armor_trl.rollout.tool_turns.tool_loop`;
+    4. ``_generate_single_turn``: a turn after a tool result, agreed with the other processes
+       (:func:`~armor_trl.rollout.tool_turns.agreed_turn`);
+    5. ``train``: closes π_ref's candidates' environments at the end.
+    """
 
     tool_round: ToolRound | None = None
-
-    def _generate(self, prompts):
-        self.tool_round = ToolRound(prompts)
-        return super()._generate(prompts)
-
-    def train(self, *args, **kwargs):
-        try:
-            return super().train(*args, **kwargs)
-        finally:  # π_ref's candidates' environment instances, closed where they define close()
-            getattr(self.anchor_rollout, "close_environments", lambda: None)()
 
     def _generate_and_score_completions(self, inputs):
         if self.group_resets is not None and self._round.inputs is not None:  # an anchored round (ArmorGRPOTrainer's)
             self.group_resets.start_round(len(inputs), self.num_generations)  # TRL resets its rows' environments next
         return super()._generate_and_score_completions(inputs)
 
+    def _generate(self, prompts):
+        self.tool_round = ToolRound(prompts)
+        return super()._generate(prompts)
+
     def _tool_call_loop(self, prompts, prompt_ids, *loop_args):
         if self.tool_round is not None and self.tool_round.trajectories is not None:
             return finished_loop(self.tool_round.trajectories, prompts, prompt_ids, *loop_args)
-        with tool_turns(self), turns_agreed(self, prompt_ids):
+        with tool_loop(self, prompt_ids):
             return super()._tool_call_loop(prompts, prompt_ids, *loop_args)
 
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+    def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
         if in_tool_turns(self):  # a turn after a tool result: agreed with the other processes where calls are collective
-            before_turn(self)
-        return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            return agreed_turn(self, super()._generate_single_turn, prompt_ids, images, *args, **kwargs)
+        return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        close = getattr(self.anchor_rollout, "close_environments", lambda raising: None)  # π_ref's candidates'
+        try:
+            output = super().train(*args, **kwargs)
+        except BaseException:
+            close(raising=False)  # (the training error is the one raised; a failing close() is logged)
+            raise
+        close(raising=True)
+        return output
 
 
 def new_anchor_rollout(trainer, train_dataset, rollout_func=None) -> AnchorRollout:
@@ -198,6 +196,7 @@ class ToolAnchorRollout(AnchorRollout):
         # group's first row -> (the row, its chat prompt after reset, the random state its resets started from, or
         # None), for the draw after the loop
         self._batch_groups: dict = {}
+        self._placed: list = []  # the trajectories of the anchors placed after the refill loop (their tool metrics)
         # the cache's trajectories (tools without environments): completion ids -> (tool_mask, messages, calls,
         # failures); a cached anchor keeps the tool_mask of the loop that made it (checkpointed with the cache)
         self.kept: dict[tuple, tuple] = {}
@@ -244,10 +243,9 @@ class ToolAnchorRollout(AnchorRollout):
 
         completion_ids, logprobs, anchors = super().generate(policy_trajectories, prompt_ids, group_size, inputs)
         if self.defers_candidates():  # groups that may draw after the refill loop: their candidates start from here
-            starts = [] if trainer.group_resets is None else trainer.group_resets.starts
-            self._batch_groups.update({
-                id(inputs[i]): (inputs[i], prompts[i], starts[i // group_size] if i // group_size < len(starts) else None)
-                for i in range(0, rows, group_size)})
+            starts = {} if trainer.group_resets is None else trainer.group_resets.starts
+            self._batch_groups.update({id(inputs[i]): (inputs[i], prompts[i], starts.get(i // group_size))
+                                       for i in range(0, rows, group_size)})
         trajectories = [self.trajectory(ids, prompt_ids[i], prompts[i], round_rows[i])
                         for i, ids in enumerate(completion_ids)]
         trainer.tool_round.trajectories = trajectories
@@ -256,35 +254,37 @@ class ToolAnchorRollout(AnchorRollout):
         return completion_ids, logprobs, anchors
 
     def _log_tool_calls(self, trajectories: list[Trajectory], rows: int, anchors) -> None:
-        """TRL's tool metrics for the anchor rows and the on-policy rows apart (all processes): tool calls per row
-        (``armor/{anchor,policy}_tool_call_frequency``) and failed calls per call (``..._tool_failure_frequency``)."""
-        trainer = self.trainer
-        device = trainer.accelerator.device
-        is_anchor = self.anchor_mask(rows, anchors, device)
-        on_policy = torch.ones(rows, dtype=torch.bool, device=device)
-        on_policy[self.slot_rows(rows, device)] = False
-        counts = torch.tensor([[t.calls, t.failures] for t in trajectories], dtype=torch.float, device=device)
-        for kind, mask in (("anchor", is_anchor), ("policy", on_policy)):
-            rows_calls_failures = torch.cat([mask.sum().view(1).float(), counts[mask].sum(dim=0)])
-            kind_rows, calls, failures = trainer.accelerator.reduce(rows_calls_failures, reduction="sum").tolist()
-            seam.log_metric(trainer, f"armor/{kind}_tool_call_frequency", calls / kind_rows if kind_rows else math.nan)
-            seam.log_metric(trainer, f"armor/{kind}_tool_failure_frequency", failures / calls if calls else math.nan)
+        """TRL's tool metrics for the anchor rows and the on-policy rows apart (:func:`log_tool_counts`)."""
+        device = self.trainer.accelerator.device
+        is_anchor = self.anchor_mask(rows, anchors, device).tolist()
+        on_policy = torch.ones(rows, dtype=torch.bool)
+        on_policy[self.slot_rows(rows, "cpu")] = False
+        log_tool_counts(self.trainer, "anchor", [t for t, kept in zip(trajectories, is_anchor) if kept])
+        log_tool_counts(self.trainer, "policy", [t for t, kept in zip(trajectories, on_policy.tolist()) if kept])
 
     def trajectory(self, completion_ids: list, prompt_ids: list, prompt, row) -> Trajectory:
         """The trajectory that made ``completion_ids`` this round; for an anchor no loop ran for this round (the
         dataset column's) it is the cache's stored trajectory, or the completion as one model turn, parsed with its
         slot's tools."""
+        found = self._made(completion_ids, prompt)
+        if found is not None:
+            return found
+        tools = trl_generation.row_tools(self.trainer, [row])
+        completions = trl_generation.decode_for_rewards(self.trainer, [prompt_ids], [completion_ids], [prompt], tools)[0]
+        return Trajectory(list(completion_ids), [1] * len(completion_ids), completions, prompt)
+
+    def _made(self, completion_ids: list, prompt=None) -> Trajectory | None:
+        """The trajectory a loop made ``completion_ids`` with: this round's, or a cached anchor's stored one (a loop
+        of an earlier round ran it: ``ran`` False, so TRL's ``tools/*`` do not count its calls again)."""
         found = self.trajectories.get(id(completion_ids))
         if found is not None:
             return found
         kept = self.kept.get(tuple(completion_ids))
-        if kept is not None:  # a cached anchor: the trajectory a loop of an earlier round ran
-            mask, messages, calls, failures = kept
-            return Trajectory(list(completion_ids), list(mask), copy.deepcopy(messages), prompt, calls=calls,
-                              failures=failures)
-        tools = trl_generation.row_tools(self.trainer, [row])
-        completions = trl_generation.decode_for_rewards(self.trainer, [prompt_ids], [completion_ids], [prompt], tools)[0]
-        return Trajectory(list(completion_ids), [1] * len(completion_ids), completions, prompt)
+        if kept is None:
+            return None
+        mask, messages, calls, failures = kept
+        return Trajectory(list(completion_ids), list(mask), copy.deepcopy(messages), prompt, calls=calls,
+                          failures=failures, ran=False)
 
     def _remember(self, g, prompt_ids, anchors, scores, found, candidate_ids, rewards, verified, span) -> None:
         """As AnchorRollout's, keeping each cached candidate's trajectory (its tool_mask and messages) with it."""
@@ -305,28 +305,30 @@ class ToolAnchorRollout(AnchorRollout):
         # every group of the batch (a process's padding draws repeat one of them) with its round's chat prompt and the
         # random state its round's resets started from (GroupResets: its candidates reset from it, as in the round)
         self._group_prompts = {key: prompt for key, (_, prompt, _) in groups.items()}
-        states = [state for _, _, state in groups.values() if state is not None]
-        positions = iter(range(len(states)))
-        self._group_index = {key: next(positions) if state is not None else len(states)
-                             for key, (_, _, state) in groups.items()}
-        self.trajectories, self._alive, self._handed_out = {}, [], {}
+        self._group_index = {key: index for index, key in enumerate(groups)}
+        states = {index: state for index, (_, _, state) in enumerate(groups.values()) if state is not None}
+        self.trajectories, self._alive, self._handed_out, self._placed = {}, [], {}, []
         resets = self.trainer.group_resets
-        if resets is None:
-            return super().deferred_anchors(batch, group_inputs, kept)
-        round_starts, resets.starts = resets.starts, states
+        round_starts = None if resets is None else resets.starts
+        if resets is not None:
+            resets.starts = states
         try:
-            return super().deferred_anchors(batch, group_inputs, kept)
+            placed = super().deferred_anchors(batch, group_inputs, kept)
         finally:
-            resets.starts = round_starts
+            if resets is not None:
+                resets.starts = round_starts
+        if placed is not None and trl_generation.uses_tools(self.trainer):  # (collective, as the draw)
+            log_tool_counts(self.trainer, "anchor", self._placed)  # as a round logs its anchors'
+        return placed
 
     def deferred_row_fields(self, completion_ids: list, width: int, device) -> dict:
         """The anchor rows' ``tool_mask`` (right-padded with 1, as TRL pads it, to ``width``): each from the loop that
         made the trajectory (or the cache's stored one)."""
         masks = []
         for ids in completion_ids:
-            found = self.trajectories.get(id(ids))
-            mask = found.tool_mask if found is not None else (self.kept.get(tuple(ids)) or ([1] * len(ids),))[0]
-            masks.append(list(mask) + [1] * (width - len(mask)))
+            found = self._made(ids) or Trajectory(list(ids), [1] * len(ids), [], None, ran=False)
+            self._placed.append(found)  # (their tool metrics: deferred_anchors)
+            masks.append(list(found.tool_mask) + [1] * (width - len(found.tool_mask)))
         return {"tool_mask": torch.tensor(masks, dtype=torch.long, device=device)}
 
     # --- running trajectories ----------------------------------------------------------------------------------
@@ -346,8 +348,7 @@ class ToolAnchorRollout(AnchorRollout):
             images, fields = trainer.media_for(prompt_ids)
             loop_logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
             counted = [counted_tools(row, log) for row, log in zip(rows, completions, strict=True)]
-            with (trl_generation.tool_rows_as(trainer, counted), tool_turns(trainer),
-                  turns_agreed(trainer, prompt_ids)):
+            with trl_generation.tool_rows_as(trainer, counted), tool_loop(trainer, prompt_ids):
                 mask, completions, ids, loop_logprobs, _, _, tool_images = trl_generation.tool_call_loop(
                     trainer, copy.deepcopy(prompts), [list(p) for p in prompt_ids], [list(c) for c in first_ids],
                     completions, loop_logprobs, images, fields)
@@ -382,15 +383,29 @@ class ToolAnchorRollout(AnchorRollout):
             raise not_reproducible(type(environment).__name__)
         return trl_generation.environment_tool_row(trainer, name, environment), prompt
 
-    def close_environments(self) -> None:
+    def close_environments(self, raising: bool = True) -> None:
         """Release π_ref's candidates' environment instances at the end of a ``train()`` call: each one's ``close()``
-        where its class defines one, and the pool emptied (a later call makes new ones with the factory)."""
+        where its class defines one, and the pool emptied (a later call makes new ones with the factory). Every
+        instance is closed even when one's ``close()`` raises; the first such error is raised afterwards
+        (``raising``), or only logged (a training error is in flight)."""
         pool, self.environment_pool, self._handed_out = self.environment_pool, {}, {}
+        errors = []
         for instances in pool.values():
             for instance in instances:
                 close = getattr(instance, "close", None)
-                if callable(close):
-                    close()
+                try:
+                    if callable(close):
+                        close()
+                except Exception as error:  # noqa: BLE001 (the others are still closed)
+                    errors.append(error)
+        if not errors:
+            return
+        message = (f"close() of {len(errors)} of π_ref's candidates' environment instances raised (the others were "
+                   f"closed); the first: {errors[0]!r}")
+        if not raising:
+            logger.error(message)
+            return
+        raise RuntimeError(message) from errors[0]
 
     # --- AnchorRollout's candidates, as trajectories ---------------------------------------------------------------
     def _reference_candidates(self, prompt_ids: list, k: int, inputs: list[dict] | None = None) -> list:
@@ -432,9 +447,23 @@ def finished_loop(trajectories: list[Trajectory], prompts, prompt_ids, completio
     TRL hands it): tool masks, messages, completion ids, log-probs, tool calls, failures, tool images."""
     if [list(ids) for ids in completion_ids] != [t.completion_ids for t in trajectories]:
         raise RuntimeError("armor_trl: TRL's tool loop was handed other rows than the round's trajectories")
+    # TRL counts the calls its loop ran for the round's rows: a filler (its group's first row, the same trajectory)
+    # and a cached anchor (a stored trajectory) ran none of their own
+    ran = {id(t): t for t in trajectories if t.ran}.values()
     return ([list(t.tool_mask) for t in trajectories], [t.completions for t in trajectories], completion_ids,
-            logprobs, sum(t.calls for t in trajectories), sum(t.failures for t in trajectories),
+            logprobs, sum(t.calls for t in ran), sum(t.failures for t in ran),
             [list(t.tool_images) for t in trajectories])
+
+
+def log_tool_counts(trainer, kind: str, trajectories: list[Trajectory]) -> None:
+    """TRL's tool metrics over one kind of row (all processes; collective): tool calls per row
+    (``armor/{kind}_tool_call_frequency``) and failed calls per call (``armor/{kind}_tool_failure_frequency``). A row
+    counts the calls of its trajectory (a cached anchor's stored ones too)."""
+    local = torch.tensor([len(trajectories), sum(t.calls for t in trajectories), sum(t.failures for t in trajectories)],
+                         dtype=torch.float, device=trainer.accelerator.device)
+    rows, calls, failures = trainer.accelerator.reduce(local, reduction="sum").tolist()
+    seam.log_metric(trainer, f"armor/{kind}_tool_call_frequency", calls / rows if rows else math.nan)
+    seam.log_metric(trainer, f"armor/{kind}_tool_failure_frequency", failures / calls if calls else math.nan)
 
 
 def check_group_prompts(prompts: list, group_size: int) -> None:
