@@ -24,6 +24,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from armor_trl.integration import trl_seam as seam
+from armor_trl.reference.shards import assign as _assign, full as _full, gathered as _gathered
 
 REF_ADAPTER = "ref"
 REF_WEIGHTS_FILE = "armor_reference.safetensors"
@@ -44,41 +45,6 @@ def reset_due(step: int, reset_steps: int | None, every_step_until: int | None, 
     if at_steps and step in at_steps:
         return True
     return reset_steps is not None and step % reset_steps == 0
-
-
-def _gathered(params: list[nn.Parameter], modifier_rank: int | None = None):
-    """Gather DeepSpeed ZeRO-3 partitioned parameters for the block (a no-op for ordinary tensors)."""
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
-    return contextlib.nullcontext()
-
-
-# FSDP2 (``fully_shard``) keeps each parameter as a DTensor holding this process's shard. The policy is sharded only
-# when training starts (accelerate prepares it in train()), π_ref already when it is built, so a copy or comparison
-# may meet a DTensor on one side and a plain tensor on the other, which torch refuses. The helpers below make both
-# sides alike; those that gather or scatter are collective: every process calls them, in the same order.
-def _is_sharded_tensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: an FSDP2 shard gathered (collective), anything else as it is."""
-    return tensor.full_tensor() if _is_sharded_tensor(tensor) else tensor
-
-
-def _assign(target: torch.Tensor, source: torch.Tensor) -> None:
-    """``target.copy_(source)`` for any mix of FSDP2 shards and plain tensors (collective when they differ)."""
-    if _is_sharded_tensor(target) and not _is_sharded_tensor(source):
-        from torch.distributed.tensor import distribute_tensor
-
-        source = distribute_tensor(source.to(target.device, target.dtype), target.device_mesh, target.placements)
-    elif _is_sharded_tensor(source) and not _is_sharded_tensor(target):
-        source = source.full_tensor()
-    target.copy_(source)
 
 
 def adapter_parameters(peft_model: nn.Module, adapter: str) -> dict[str, nn.Parameter]:
