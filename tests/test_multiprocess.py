@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from testing import ACCELERATE_CONFIGS, REPO, SCRIPTS, _env, _free_port, _launch
+from testing import ACCELERATE_CONFIGS, REPO, SCRIPTS, _env, _free_port, _launch, fsdp_command
 
 SCRIPT = SCRIPTS / "mp_train_script.py"
 GRPO_SCRIPT = SCRIPTS / "mp_grpo_script.py"  # TRL's plain GRPOTrainer: a launch harness trains it first
@@ -81,16 +81,6 @@ def run_accelerate(config: str, model: str, out: Path, *extra: str) -> list[dict
         str(SCRIPT), "--model", model, "--out", str(out), "--ddp_backend", "gloo", "--no_cpu", *COMMON_ARGS, *extra,
     ]  # fmt: skip
     return _launch(command, out, NUM_PROCESSES)
-
-
-def fsdp_command(config: Path, script: Path, *args: str, processes: int = NUM_PROCESSES) -> list[str]:
-    """accelerate launch with an FSDP config in CPU processes (gloo), the script run through tests/scripts/
-    fsdp_on_cpu.py (testing.allow_fsdp_on_cpu)."""
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-        "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_ip", "127.0.0.1",
-        "--main_process_port", str(_free_port()), str(SCRIPTS / "fsdp_on_cpu.py"), str(script), *args,
-    ]  # fmt: skip
 
 
 def run_fsdp(model: str, out: Path, *extra: str, script: Path = SCRIPT) -> list[dict]:
