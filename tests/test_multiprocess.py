@@ -434,6 +434,26 @@ def test_fsdp2_lora_resume_matches_uninterrupted(tiny_model_path, tmp_path, fsdp
     check_resumed(resumed, fsdp2_lora_run, SAVE_STEPS, "FSDP2 LoRA resume")
 
 
+@pytest.mark.slow
+def test_fsdp1_is_refused_by_the_trainer_under_accelerate_launch(tiny_model_path, tmp_path):
+    """TRL's FSDP1 config (trl/accelerate_configs/fsdp1.yaml) on CPU, less the two settings accelerate refuses there
+    (``fsdp_sync_module_states``, and ``fsdp_cpu_ram_efficient_loading``, which needs it): ArmorGRPOTrainer is built
+    under FSDP1 and refuses at construction, naming fsdp_version 2."""
+    yaml = pytest.importorskip("yaml")
+    import trl
+
+    config = yaml.safe_load((Path(trl.__file__).parent / "accelerate_configs" / "fsdp1.yaml").read_text())
+    assert config["fsdp_config"]["fsdp_version"] == 1
+    config["fsdp_config"].update(fsdp_sync_module_states=False, fsdp_cpu_ram_efficient_loading=False)
+    (tmp_path / "fsdp1.yaml").write_text(yaml.safe_dump(config))
+    command = fsdp_command(tmp_path / "fsdp1.yaml", SCRIPT, "--model", tiny_model_path, "--out", str(tmp_path / "out"),
+                           "--ddp_backend", "gloo", processes=1)
+    done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and not (tmp_path / "out" / "rank0.json").exists()
+    assert "ValueError: ArmorGRPOTrainer under FSDP needs fsdp_version 2, got 1" in done.stdout + done.stderr, (
+        done.stdout + done.stderr)[-4000:]
+
+
 # One CPU process through accelerate's distributed set-up (LOCAL_RANK set: MULTI_CPU, gloo), handed an FSDP2 plugin.
 FSDP_STATE = """
 import json, sys, torch
