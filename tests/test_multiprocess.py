@@ -14,13 +14,14 @@ what it saw; the assertions read those files:
   shards gathered to compare) and differs from it in between, and the reverse KL logged at the step after a
   reset is zero;
 * checkpoints carry the reference as it was at that step, and a multi-process run resumed from one continues
-  exactly like the uninterrupted run (DDP and ZeRO-3);
-* with the same seed the three backends draw the same samples, so their metrics and weights must agree;
+  exactly like the uninterrupted run (DDP, ZeRO-3, FSDP2 with full fine-tuning and with LoRA);
+* with the same seed the backends draw the same samples, so their metrics and weights must agree;
   a single-process run of the same global batch must log the same metrics and reset on the same schedule;
-* validation through the trainer's generation path, sharded over the processes (DDP, ZeRO-3; the runs pass
+* validation through the trainer's generation path, sharded over the processes (DDP, ZeRO-3, FSDP2; the runs pass
   ``--validate``), gives exactly one process's avg@k / pass@k and samples on the initial weights, sampled as well
   as greedy, logs its metrics on every process during training and leaves training's sampling settings and draws
-  as they were (the ZeRO-2 run, which does not validate, matches the DDP run that does).
+  as they were (the ZeRO-2 run, which does not validate, matches the DDP run that does);
+* FSDP1 (TRL's config, in one process) is refused when the trainer is built.
 
 Run them with ``pytest -m slow tests/test_multiprocess.py`` (the DeepSpeed tests need ``pip install deepspeed``;
 the script skips DeepSpeed's CPU shared-memory op, which only tensor-parallel inference uses and whose compile at

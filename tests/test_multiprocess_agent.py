@@ -12,8 +12,8 @@ makes its own number of calls. The FSDP2 run also takes its anchors from the anc
 a process (4 prompts, 3 steps: at the last step rank 1 holds all its anchors and still joins rank 0's draw) and ends
 with the weights of the DDP run drawn fresh on the same seed.
 
-Run with ``pytest -m slow tests/test_multiprocess_agent.py`` (DeepSpeed needed for ZeRO-3); about 30 s per ZeRO-3
-launch and 15 s per DDP or FSDP2 launch on 2 cores.
+Run with ``pytest -m slow tests/test_multiprocess_agent.py`` (DeepSpeed needed for ZeRO-3); about 15 s per launch on
+2 cores.
 """
 
 from __future__ import annotations
