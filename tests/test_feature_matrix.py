@@ -15,7 +15,10 @@ The generator is faked at the model (``generate`` and ``generate_batch``, so TRL
 paths, a rollout_func through ``generate_completions``, π_ref's full model or LoRA adapter all run as they do): every
 completion is a fixed function of the prompt, whether π_ref or the policy drew it, the draw's index and the round.
 Two processes are simulated as tests/test_anchor_waves.py does: the collective counts of anchor sampling
-(``agreed_count``) see another process with two more groups to draw in every call, so this one pads its calls.
+(``agreed_count``) see another process with two more groups to draw in every call, so this one pads its calls. The
+distributed engine is no factor here; real launches hold FSDP2 where it meets resets, the LoRA reference, anchors from
+the cache and tools (tests/test_multiprocess.py, tests/test_multiprocess_agent.py: the tests docs/anchors.md names,
+whose existence the last test here checks).
 
 Size: 14 features (dynamic sampling and its keep rule, anchor_filter, eager/lazy, eligible-only, the anchor source:
 online / cache / column, same-call resets, LoRA reference, the generation path: generate / rollout_func / continuous
@@ -479,7 +482,7 @@ def test_the_support_table_states_what_the_matrix_runs():
     trained = [row for row in ROWS if refusal_of(row) is None]
     paper = sum((row["eligible"], row["sampling"]) != ("off", "eager") for row in trained)
     resumed = sum(row["resume"] == "yes" for row in trained)
-    assert f"{len(ROWS)} combinations" in section and f"{len(ROWS) + 3} test items" in section  # (and the three checks here)
+    assert f"{len(ROWS)} combinations" in section and f"{len(ROWS) + 4} test items" in section  # (and the four checks here)
     assert f"({paper} of them)" in section and f"resumed ({resumed})" in section
     assert f"{len(trained) + paper + resumed} short runs" in section
     assert all(f"`{loss}`" in section for loss in LOSS_TYPES)
@@ -506,3 +509,26 @@ def test_the_agent_feature_meets_several_processes():
     row = next(line for line in text[text.index("## Which features combine"):].splitlines()
                if line.startswith("| processes |"))
     assert "test_multiprocess_agent.py" in row and "DDP" in row and "ZeRO-3" in row
+
+
+FSDP2_LAUNCHES = {  # FSDP2 where it meets the matrix's features: the real launches (docs/anchors.md) and their switches
+    "test_multiprocess.py": {"test_fsdp2": "check_run(", "test_fsdp2_lora": "reset_at=LORA_RESET_AT",
+                             "test_fsdp2_lora_resume_matches_uninterrupted": "*LORA"},
+    "test_multiprocess_agent.py": {
+        "test_fsdp2_agent_with_unequal_turn_counts_and_anchor_cache_trains_like_ddp": '"--anchor_cache"'},
+}
+
+
+def test_fsdp2_meets_resets_lora_cache_and_tools_in_real_launches():
+    """The section names the two-process FSDP2 tests that stand for FSDP2 as a level of the distributed engine; each
+    exists in its module and passes the switch it is named for."""
+    from testing import REPO
+
+    section = (REPO / "docs" / "anchors.md").read_text()
+    section = section[section.index("## Which features combine"):]
+    for module, tests in FSDP2_LAUNCHES.items():
+        source = (REPO / "tests" / module).read_text()
+        for name, switch in tests.items():
+            assert f"`{name}`" in section, name
+            body = source[source.index(f"def {name}("):].split("\n@pytest")[0]  # up to the next test
+            assert switch in body, (name, switch)

@@ -14,13 +14,14 @@ what it saw; the assertions read those files:
   shards gathered to compare) and differs from it in between, and the reverse KL logged at the step after a
   reset is zero;
 * checkpoints carry the reference as it was at that step, and a multi-process run resumed from one continues
-  exactly like the uninterrupted run (DDP and ZeRO-3);
-* with the same seed the three backends draw the same samples, so their metrics and weights must agree;
+  exactly like the uninterrupted run (DDP, ZeRO-3, FSDP2 with full fine-tuning and with LoRA);
+* with the same seed the backends draw the same samples, so their metrics and weights must agree;
   a single-process run of the same global batch must log the same metrics and reset on the same schedule;
-* validation through the trainer's generation path, sharded over the processes (DDP, ZeRO-3; the runs pass
+* validation through the trainer's generation path, sharded over the processes (DDP, ZeRO-3, FSDP2; the runs pass
   ``--validate``), gives exactly one process's avg@k / pass@k and samples on the initial weights, sampled as well
   as greedy, logs its metrics on every process during training and leaves training's sampling settings and draws
-  as they were (the ZeRO-2 run, which does not validate, matches the DDP run that does).
+  as they were (the ZeRO-2 run, which does not validate, matches the DDP run that does);
+* FSDP1 (TRL's config, in one process) is refused when the trainer is built.
 
 Run them with ``pytest -m slow tests/test_multiprocess.py`` (the DeepSpeed tests need ``pip install deepspeed``;
 the script skips DeepSpeed's CPU shared-memory op, which only tensor-parallel inference uses and whose compile at
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from testing import ACCELERATE_CONFIGS, REPO, SCRIPTS, _env, _free_port, _launch
+from testing import ACCELERATE_CONFIGS, REPO, SCRIPTS, _env, _free_port, _launch, fsdp_command
 
 SCRIPT = SCRIPTS / "mp_train_script.py"
 GRPO_SCRIPT = SCRIPTS / "mp_grpo_script.py"  # TRL's plain GRPOTrainer: a launch harness trains it first
@@ -81,16 +82,6 @@ def run_accelerate(config: str, model: str, out: Path, *extra: str) -> list[dict
         str(SCRIPT), "--model", model, "--out", str(out), "--ddp_backend", "gloo", "--no_cpu", *COMMON_ARGS, *extra,
     ]  # fmt: skip
     return _launch(command, out, NUM_PROCESSES)
-
-
-def fsdp_command(config: Path, script: Path, *args: str, processes: int = NUM_PROCESSES) -> list[str]:
-    """accelerate launch with an FSDP config in CPU processes (gloo), the script run through tests/scripts/
-    fsdp_on_cpu.py (testing.allow_fsdp_on_cpu)."""
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-        "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_ip", "127.0.0.1",
-        "--main_process_port", str(_free_port()), str(SCRIPTS / "fsdp_on_cpu.py"), str(script), *args,
-    ]  # fmt: skip
 
 
 def run_fsdp(model: str, out: Path, *extra: str, script: Path = SCRIPT) -> list[dict]:
@@ -442,6 +433,26 @@ def test_fsdp2_lora_resume_matches_uninterrupted(tiny_model_path, tmp_path, fsdp
     checkpoint = fsdp2_lora_dir / "trainer" / f"checkpoint-{SAVE_STEPS}"
     resumed = run_fsdp(tiny_model_path, tmp_path, *LORA, "--resume_from", str(checkpoint))
     check_resumed(resumed, fsdp2_lora_run, SAVE_STEPS, "FSDP2 LoRA resume")
+
+
+@pytest.mark.slow
+def test_fsdp1_is_refused_by_the_trainer_under_accelerate_launch(tiny_model_path, tmp_path):
+    """TRL's FSDP1 config (trl/accelerate_configs/fsdp1.yaml) on CPU, less the two settings accelerate refuses there
+    (``fsdp_sync_module_states``, and ``fsdp_cpu_ram_efficient_loading``, which needs it): ArmorGRPOTrainer is built
+    under FSDP1 and refuses at construction, naming fsdp_version 2."""
+    yaml = pytest.importorskip("yaml")
+    import trl
+
+    config = yaml.safe_load((Path(trl.__file__).parent / "accelerate_configs" / "fsdp1.yaml").read_text())
+    assert config["fsdp_config"]["fsdp_version"] == 1
+    config["fsdp_config"].update(fsdp_sync_module_states=False, fsdp_cpu_ram_efficient_loading=False)
+    (tmp_path / "fsdp1.yaml").write_text(yaml.safe_dump(config))
+    command = fsdp_command(tmp_path / "fsdp1.yaml", SCRIPT, "--model", tiny_model_path, "--out", str(tmp_path / "out"),
+                           "--ddp_backend", "gloo", processes=1)
+    done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and not (tmp_path / "out" / "rank0.json").exists()
+    assert "ValueError: ArmorGRPOTrainer under FSDP needs fsdp_version 2, got 1" in done.stdout + done.stderr, (
+        done.stdout + done.stderr)[-4000:]
 
 
 # One CPU process through accelerate's distributed set-up (LOCAL_RANK set: MULTI_CPU, gloo), handed an FSDP2 plugin.

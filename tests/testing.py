@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -474,6 +475,16 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def fsdp_command(config: Path, script: Path, *args: str, processes: int = 2) -> list[str]:
+    """accelerate launch with an FSDP config in CPU processes (gloo), the script run through tests/scripts/
+    fsdp_on_cpu.py (allow_fsdp_on_cpu)."""
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+        "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_ip", "127.0.0.1",
+        "--main_process_port", str(_free_port()), str(SCRIPTS / "fsdp_on_cpu.py"), str(script), *args,
+    ]  # fmt: skip
 
 
 def _launch(command: list[str], out: Path, processes: int) -> list[dict]:

@@ -2,18 +2,22 @@
 making different numbers of tool turns (launched by tests/test_multiprocess_agent.py).
 
 The tiny tool model generates through a deterministic fake at the model (testing.ToolFake; TRL's generation path, its
-ZeRO-3 parameter gathering included, runs around it), and how many tools a trajectory calls depends on the process:
+ZeRO-3 parameter gathering included, runs around it; under FSDP2 the fake makes one sharded forward per call, the
+collective that transformers' ``generate`` makes there), and how many tools a trajectory calls depends on the process:
 
 * rank 0: the policy calls ``multiply`` once, then answers "7" (wrong); π_ref calls it once, then answers 3n (right);
 * rank 1: the policy answers "7" at once; π_ref answers 3n at once.
 
 So in every loop rank 0 needs one more turn than rank 1 (the policy's rows and π_ref's candidates: 1 against 0; the
-prompts, with the tool's schema, leave no room for a second call in the tiny model's 512 positions). Every process writes ``OUT/rank{R}.json``: its generation calls, the throw-away turns it made to keep them
-equal, the anchors and tool masks of its rounds, a checksum of its final parameters (ZeRO-3 shards gathered) and its
-log history.
+prompts, with the tool's schema, leave no room for a second call in the tiny model's 512 positions). Every process
+writes ``OUT/rank{R}.json``: its generation calls, the throw-away turns it made to keep them equal, the anchors and
+tool masks of its rounds, its anchor-cache hits per round, whether its parameters are sharded, a checksum of its final
+parameters (ZeRO-3 and FSDP2 shards gathered) and its log history.
 
     accelerate launch --config_file configs/accelerate/zero3.yaml --num_processes 2 --mixed_precision no \
         tests/scripts/mp_agent_script.py --model DIR --out DIR --ddp_backend gloo --no_cpu
+    accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 --mixed_precision no \
+        tests/scripts/fsdp_on_cpu.py tests/scripts/mp_agent_script.py --model DIR --out DIR --ddp_backend gloo
     torchrun --nproc_per_node 2 tests/scripts/mp_agent_script.py --model DIR --out DIR --ddp_backend gloo
 """
 
@@ -37,7 +41,7 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
-from mp_train_script import checksum, full_params, skip_deepspeed_shm_comm_op  # noqa: E402
+from mp_train_script import checksum, full_params, is_sharded, skip_deepspeed_shm_comm_op  # noqa: E402
 from testing import ToolFake, answer_reward, chat_numbers, multiply, tool_call  # noqa: E402
 
 
@@ -67,11 +71,28 @@ class RankFake(ToolFake):
     def is_reference(self, model) -> bool:
         return model is not self.trainer.model
 
+    def completions(self, model, prompts):
+        if self.trainer.is_fsdp_enabled:
+            # TRL gathers nothing around FSDP2's generate: its sharded forwards are the collective (each all-gathers
+            # the layers' shards); one forward per call stands for them, so unequal calls here fail as they would
+            with torch.no_grad():
+                model(input_ids=torch.tensor([prompts[0][:1]]))
+        return super().completions(model, prompts)
+
 
 class Recording(ArmorGRPOTrainer):
     def __init__(self, *args, **kwargs):
-        self.rounds = []
+        self.rounds, self.cache_hits = [], []
         super().__init__(*args, **kwargs)
+        if self.anchor_rollout is not None:  # this process's own cache hits per round (the log gathers them)
+            sample = self.anchor_rollout.sample
+
+            def recorded(*sample_args, **sample_kwargs):
+                anchors, anchor_round = sample(*sample_args, **sample_kwargs)
+                self.cache_hits.append(int(anchor_round.cache_hits[0]))
+                return anchors, anchor_round
+
+            self.anchor_rollout.sample = recorded
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -92,6 +113,9 @@ def main():
     parser.add_argument("--no_cpu", action="store_true", help="use_cpu=False (needed for DeepSpeed on a CPU host)")
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--no_anchors", action="store_true", help="use_anchors=False (TRL's loop, the mixed ratio)")
+    parser.add_argument("--prompts", type=int, default=16, help="the dataset's prompts (4: every step revisits all)")
+    parser.add_argument("--anchor_cache", action="store_true", help="anchor_cache=True (a hit needs a prompt back)")
+    parser.add_argument("--seed", type=int, default=42, help="the seed (the sampler's order of the prompts)")
     cli = parser.parse_args()
     if cli.no_cpu:
         skip_deepspeed_shm_comm_op()
@@ -100,11 +124,12 @@ def main():
         output_dir=os.path.join(cli.out, "trainer"), per_device_train_batch_size=8, num_generations=4,
         max_completion_length=96, max_steps=cli.max_steps, learning_rate=1e-2, use_cpu=not cli.no_cpu,
         ddp_backend=cli.ddp_backend, bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1,
-        save_strategy="no", seed=42, disable_tqdm=True, anchor_num_samples=2, use_anchors=not cli.no_anchors,
+        save_strategy="no", seed=cli.seed, disable_tqdm=True, anchor_num_samples=2, use_anchors=not cli.no_anchors,
+        anchor_cache=cli.anchor_cache,
     )
     tokenizer = AutoTokenizer.from_pretrained(cli.model)
-    trainer = Recording(model=cli.model, reward_funcs=answer_reward, args=args, train_dataset=chat_numbers(range(16)),
-                        processing_class=tokenizer, tools=[multiply])
+    trainer = Recording(model=cli.model, reward_funcs=answer_reward, args=args,
+                        train_dataset=chat_numbers(range(cli.prompts)), processing_class=tokenizer, tools=[multiply])
     initial = checksum(full_params(trainer.accelerator.unwrap_model(trainer.model_wrapped)))
     monkeypatch = pytest.MonkeyPatch()
     fake = RankFake(tokenizer, trainer).install(monkeypatch)
@@ -115,6 +140,9 @@ def main():
     record = {
         "rank": process,
         "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "sharded": is_sharded(trainer.model_wrapped),
+        "cache_hits": trainer.cache_hits,
         "generation_calls": [[is_reference, len(texts)] for is_reference, texts in fake.calls],
         "throwaway_turns": getattr(trainer, "_armor_throwaway_turns", 0),
         "rounds": trainer.rounds,
