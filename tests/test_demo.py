@@ -150,3 +150,17 @@ def test_demo_real_prints_a_line_per_step(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "demo --real: ARMOR: training 4 step(s)"
     assert lines[1].startswith("demo --real: ARMOR: step 1/4 done, ") and lines[1].endswith(" s elapsed")
+
+
+def test_an_agents_headline_says_which_arm_kept_the_tool():
+    """An agent's demo: per arm the held-out tool-call rate, start → end, and whether the arm kept the tool (its final
+    rate at least half its start, the pre-registered study's "lost the tool" turned round)."""
+    curves = {arm: {0: _curve([(0, 0.2), (60, 0.1)])} for arm in ("grpo", "armor")}
+    summary = summarize(curves, resamples=200)
+    summary["at_points"] = {"grpo": {"mode/tool_called": {"start": 0.7, "end": 0.02}},
+                            "armor": {"mode/tool_called": {"start": 0.7, "end": 0.35}}}
+    summary.update(out="results/demo/x", seeds=[0], runs_executed=2, wall_time_s=5.0,
+                   recipe="configs/tool_use_testbed.yaml")
+    text = demo.format_demo(summary)
+    assert "GRPO (β=0) 0.700 → 0.020; ARMOR 0.700 → 0.350" in text
+    assert "Kept the tool (its final rate at least half its start): ARMOR. Lost it: GRPO (β=0)." in text

@@ -96,8 +96,12 @@ def format_demo(summary: dict) -> str:
     called = {arm: points["mode/tool_called"] for arm, points in summary.get("at_points", {}).items()
               if "mode/tool_called" in points}
     if called:  # an agent: the held-out tool-call rate, the mechanism metric
+        kept = [LABELS.get(arm, arm) for arm, p in called.items() if p["end"] >= p["start"] / 2]
+        lost = [LABELS.get(arm, arm) for arm, p in called.items() if p["end"] < p["start"] / 2]
         lines += ["", "Held-out tool-call rate (samples that called a tool TRL ran), start → end, mean over seeds: "
-                  + "; ".join(f"{LABELS.get(arm, arm)} {p['start']:.3f} → {p['end']:.3f}" for arm, p in called.items())]
+                  + "; ".join(f"{LABELS.get(arm, arm)} {p['start']:.3f} → {p['end']:.3f}" for arm, p in called.items()),
+                  f"Kept the tool (its final rate at least half its start): {', '.join(kept) or 'none'}. Lost it: "
+                  f"{', '.join(lost) or 'none'}."]
     if "se_binomial" in ev:
         lines += ["", f"One evaluation's sampling standard error ≤ {ev['se_binomial']:.4f}. `collapsed`: final "
                   f"≥ {stats.COLLAPSE_DROP} below the peak and below the start while training reward rose."]
