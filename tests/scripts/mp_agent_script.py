@@ -152,6 +152,11 @@ def main():
     }
     with open(os.path.join(cli.out, f"rank{process}.json"), "w") as f:
         json.dump(record, f)
+    # a clean end of the process group: a gloo thread still running at interpreter exit aborted an FSDP2 launch
+    # ("terminate called without an active exception") once under load
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
