@@ -616,3 +616,14 @@ def test_a_study_folder_copied_elsewhere_resumes_from_its_stored_warm_checkpoint
     # the cache entry deleted, the stored copy is restored again and the study resumes
     shutil.rmtree(cached)
     assert main(argv) == 0 and weights_hash(cached) == digest
+
+
+def test_study_folder_compares_its_recipe_as_study_json_holds_it(tmp_path):
+    """A recipe whose YAML has int keys (the tool agent's warm-up `digits: {1: 0.5, 2: 0.5}`) is the same recipe after
+    study.json's round trip turned them into strings: the folder resumes (it refused, after the tuning, before)."""
+    folder = {"recipe": {"demo": {"warmup": {"digits": {1: 0.5, 2: 0.5}}}}, "smoke_overrides": {}, "model": "m",
+              "arms": {"grpo": {}}}
+    plan.check_study_folder(tmp_path, folder)
+    plan.check_study_folder(tmp_path, {**folder, "arms": {"armor": {"method": "armor"}}})
+    with pytest.raises(ValueError, match="different recipe"):
+        plan.check_study_folder(tmp_path, {**folder, "recipe": {"demo": {"warmup": {"digits": {1: 0.4, 2: 0.6}}}}})

@@ -256,6 +256,7 @@ def _model_key(model):
 def check_study_folder(out: Path, plan: dict) -> None:
     """A study folder is reused only for the same recipe and the same definition of every arm it already ran."""
     record = out / "study.json"
+    plan = json.loads(json.dumps(plan))  # as study.json holds it: a YAML mapping's int keys become strings
     if not record.is_file():
         record.write_text(json.dumps(plan, indent=2))
         return
