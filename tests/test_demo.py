@@ -64,24 +64,25 @@ def test_smoke_demo_runs_the_testbed_arms_over_seeds_and_resumes(tmp_path, capsy
 
 
 @pytest.mark.slow
-def test_the_tool_use_demo_runs_grpo_and_armor_through_the_tool_loop(tmp_path, capsys):
+def test_the_tool_use_demo_runs_grpo_the_tuned_kl_and_armor_through_the_tool_loop(tmp_path, capsys):
     """`armor-trl demo --config configs/tool_use_testbed.yaml` (smoke): the recipe's demo arms and seeds, the tool agent's
     warm start, validation through TRL's tool loop with the held-out tool-call rate in the files and the headline."""
     assert main(["demo", "--smoke", "--config", str(plan.CONFIGS / "tool_use_testbed.yaml"), "--workers", "1",
                  "--output_dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     folder = tmp_path / "tool_use_testbed-smoke"
-    assert sorted(p.name for p in (folder / "metrics").iterdir()) == ["armor-seed0.jsonl", "grpo-seed0.jsonl"]
+    assert sorted(p.name for p in (folder / "metrics").iterdir()) == ["armor-seed0.jsonl", "grpo-seed0.jsonl",
+                                                                      "grpo_kl_1.6-seed0.jsonl"]
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["warmups"][0]["kind"] == "tool_agent" and summary["warmups"][0]["steps"] == 20
-    for arm in ("grpo", "armor"):
+    for arm in ("grpo", "grpo_kl_1.6", "armor"):
         first = _records(folder / "metrics" / f"{arm}-seed0.jsonl")[0]
         assert {"val/tool_call_rate", "val/tool_calls", "val/mode/tool", "val/train/tool_call_rate"} <= set(first)
         curves = read_curves(folder / "metrics" / f"{arm}-seed0.jsonl")
         assert curves["modes"]["tool_called"][0] == (0, first["val/tool_call_rate"])
         assert curves["set_modes"]["train"]["tool_called"][0] == (0, first["val/train/tool_call_rate"])
-    assert "Held-out tool-call rate" in out and "supervised steps;" in out
-    assert "configs/tool_use_study.yaml" in out and "configs/mode_testbed.yaml" not in out  # its own study
+    assert "Held-out tool-call rate" in out and "supervised steps;" in out and "GRPO + KL (β=1.6)" in out
+    assert "Kept the tool" in out and "configs/tool_use_study.yaml" in out and "configs/mode_testbed.yaml" not in out  # its own study
 
 
 def _curve(val, reward=0.5):

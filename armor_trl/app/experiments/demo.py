@@ -29,8 +29,8 @@ DEFAULT_CONFIG = plan.CONFIGS / "mode_testbed.yaml"
 ARMS = ("grpo", "grpo_kl_0.1", "grpo_small_lr", "armor")
 SEEDS = 3
 WARMUP_SEED = 0  # one warm checkpoint (the study's first): the spread across warm checkpoints is docs/evidence.md's
-LABELS = {"grpo": "GRPO (β=0)", "grpo_kl_0.1": "GRPO + KL (β=0.1)", "grpo_small_lr": "GRPO, lr × α",
-          "armor": "ARMOR"}
+LABELS = {"grpo": "GRPO (β=0)", "grpo_kl_0.1": "GRPO + KL (β=0.1)", "grpo_kl_1.6": "GRPO + KL (β=1.6)",
+          "grpo_small_lr": "GRPO, lr × α", "armor": "ARMOR"}
 FULL_STUDY = ("docs/evidence.md", "armor-trl study --config configs/mode_testbed.yaml --output_dir "
               "results/mode_testbed/study --preregister docs/preregistration/mode_testbed.md")
 # the pre-registered study of a demo recipe other than the mode testbed's (by recipe name): where it is reported, how
