@@ -165,3 +165,4 @@ def test_an_agents_headline_says_which_arm_kept_the_tool():
     text = demo.format_demo(summary)
     assert "GRPO (β=0) 0.700 → 0.020; ARMOR 0.700 → 0.350" in text
     assert "Kept the tool (its final rate at least half its start): ARMOR. Lost it: GRPO (β=0)." in text
+    assert demo.VERDICTS["tool_use_testbed"] in text  # what the pre-registered study decided, under the table

@@ -38,6 +38,11 @@ FULL_STUDY = ("docs/evidence.md", "armor-trl study --config configs/mode_testbed
 FULL_STUDIES = {"tool_use_testbed": ("docs/evidence.md, section 1d", "armor-trl study --config configs/tool_use_study.yaml "
                                      "--output_dir results/tool_use_study --preregister "
                                      "docs/preregistration/tool_use_testbed.md")}
+# what a demo recipe's pre-registered study decided (by recipe name), printed under the demo's table
+VERDICTS = {"tool_use_testbed": "What the pre-registered study decided (9 runs per arm, 3 warm checkpoints): tuned "
+                                "ARMOR lost the tool as plain GRPO did, GRPO + KL at β = 1.6 kept it, and ARMOR on "
+                                "top of that KL added nothing detectable: for an agent that must keep its tool, a "
+                                "tuned KL."}
 COLUMNS = ("start", "peak", "final", "min_after_peak", "auc", "final_train_reward", "collapsed")
 
 
@@ -102,6 +107,8 @@ def format_demo(summary: dict) -> str:
                   + "; ".join(f"{LABELS.get(arm, arm)} {p['start']:.3f} → {p['end']:.3f}" for arm, p in called.items()),
                   f"Kept the tool (its final rate at least half its start): {', '.join(kept) or 'none'}. Lost it: "
                   f"{', '.join(lost) or 'none'}."]
+    if Path(summary["recipe"]).stem in VERDICTS:
+        lines += [VERDICTS[Path(summary["recipe"]).stem]]
     if "se_binomial" in ev:
         lines += ["", f"One evaluation's sampling standard error ≤ {ev['se_binomial']:.4f}. `collapsed`: final "
                   f"≥ {stats.COLLAPSE_DROP} below the peak and below the start while training reward rose."]
