@@ -128,7 +128,7 @@ bench: $(STAMP)
 # The current bench table (benchmarks/table.py): the variants a user chooses between (bench.yaml's bench_table) at
 # M = 1, 4 and 16, 3 repetitions, DAPO's loop at mixed share 0.5 with ARMOR's floor, into results/bench_table/; then
 # docs/bench_table.md and its copy in docs/performance.md (between the bench-table markers); the README quotes a few
-# of its cells (tests/test_docs.py checks them). 11 minutes at d5bc4c0 on 2 quiet cores of an AMD EPYC.
+# of its cells (tests/test_docs.py checks them). 13 minutes at 242345d on 2 quiet cores of an AMD EPYC.
 # BENCH_ARGS=--smoke checks the pipeline (writes results/bench_table/ only).
 bench-table: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m benchmarks.table run $(BENCH_ARGS)
