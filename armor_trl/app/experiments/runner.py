@@ -86,10 +86,9 @@ def cached_warm_checkpoint(cache_dir: Path, model: dict, warm: dict, task: dict,
     key = json.dumps({"model": model, "warmup": warm, "task": task}, sort_keys=True)
     path = cache_dir / f"warm-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if not (path / "warmup.json").is_file() and stored is not None and (stored / "warmup.json").is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache_dir / f"{path.name}.tmp-{os.getpid()}"
-        shutil.copytree(stored, tmp)
-        os.replace(tmp, path)
+        from armor_trl.app.experiments.warm_checkpoints import copy_folder
+
+        copy_folder(stored, path)
     if not (path / "warmup.json").is_file():
         return path, None
     if progress is not None:

@@ -24,6 +24,14 @@ def stored_copy(out: Path, seed) -> Path:
     return Path(out) / "warm" / f"warm{seed}"
 
 
+def copy_folder(source: str | os.PathLike, target: Path) -> None:
+    """Copy a checkpoint folder so that ``target`` appears whole or not at all (another process may look meanwhile)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.copytree(source, tmp)
+    os.replace(tmp, target)
+
+
 def weights_hash(folder: str | os.PathLike) -> str:
     """SHA-256 of a checkpoint's weight files (``*.safetensors``, by name then bytes): the weights, not the folder."""
     files = sorted(Path(folder).glob("*.safetensors"))
@@ -56,10 +64,7 @@ def pin_warm_checkpoints(out: Path, models: dict) -> dict:
                     f"another CPU model, or a changed file). Delete {model} so that the stored copy is restored, or "
                     "use another study folder.")
         if not stored.is_dir():
-            stored.parent.mkdir(parents=True, exist_ok=True)
-            tmp = stored.with_name(f"{stored.name}.tmp-{os.getpid()}")
-            shutil.copytree(model, tmp)
-            os.replace(tmp, stored)
+            copy_folder(model, stored)
         recorded[str(seed)] = hashes[seed] = digest
     record_file.write_text(json.dumps(record, indent=2))
     return hashes
