@@ -131,6 +131,10 @@ def main():
     record = {"rank": trainer.accelerator.process_index, "rows_own": rows, "turn_rows": turns, "error": error}
     with open(os.path.join(cli.out, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(record, f)
+    # a clean end of the process group (not after a failed collective): a gloo thread alive at interpreter exit
+    # aborted a launch once ("terminate called without an active exception")
+    if error is None and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
