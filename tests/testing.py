@@ -471,6 +471,16 @@ def allow_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = init_keeping_fsdp
 
 
+def end_process_group(trainer) -> None:
+    """End a launch script's process group after a clean run: wait for every rank, then destroy the group. A gloo
+    thread still alive at interpreter exit aborted launches now and then ("terminate called without an active
+    exception"), an FSDP2 agent launch under load and a vLLM server-mode launch in a clean-clone `make test`. Not
+    after a failed collective (a rank left waiting would hang): call it where the run ended without an error."""
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

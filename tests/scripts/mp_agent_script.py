@@ -42,7 +42,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
 from mp_train_script import checksum, full_params, is_sharded, skip_deepspeed_shm_comm_op  # noqa: E402
-from testing import ToolFake, answer_reward, chat_numbers, multiply, tool_call  # noqa: E402
+from testing import ToolFake, answer_reward, chat_numbers, end_process_group, multiply, tool_call  # noqa: E402
 
 
 def rank() -> int:
@@ -152,11 +152,7 @@ def main():
     }
     with open(os.path.join(cli.out, f"rank{process}.json"), "w") as f:
         json.dump(record, f)
-    # a clean end of the process group: a gloo thread still running at interpreter exit aborted an FSDP2 launch
-    # ("terminate called without an active exception") once under load
-    trainer.accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process_group(trainer)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # the repository root, tests/
 
 import contextlib  # noqa: E402
 
@@ -51,6 +52,7 @@ from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 
 from armor_trl.callbacks import evaluation, validation  # noqa: E402
+from testing import end_process_group  # noqa: E402
 
 # What the reward function saw on this process: the phase is "candidates" while the trainer scores reference
 # candidates for anchors and "rollout" otherwise.
@@ -413,6 +415,7 @@ def main(argv=None):
         }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
+    end_process_group(trainer)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
-from testing import chat_numbers, last_tool_result, multiply, tool_call  # noqa: E402
+from testing import chat_numbers, end_process_group, last_tool_result, multiply, tool_call  # noqa: E402
 
 
 def answer(prompt_text: str) -> str:
@@ -131,10 +131,8 @@ def main():
     record = {"rank": trainer.accelerator.process_index, "rows_own": rows, "turn_rows": turns, "error": error}
     with open(os.path.join(cli.out, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(record, f)
-    # a clean end of the process group (not after a failed collective): a gloo thread alive at interpreter exit
-    # aborted a launch once ("terminate called without an active exception")
-    if error is None and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if error is None:  # not after a failed collective
+        end_process_group(trainer)
 
 
 if __name__ == "__main__":
