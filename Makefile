@@ -156,11 +156,11 @@ bench-tools: $(STAMP)
 bench-dynamic: $(STAMP)
 	scripts/bench_dynamic.sh
 
-# The same loop on TRL's colocated vLLM engine (bench.yaml's bench_tables.dynamic_vllm: GRPO β 0.04, armor_full,
-# grpo_dynamic, the default gate, keep + deferred candidates, lazy waves in the loop; mixed share 0.5, M = 1 and 16,
-# 3 repetitions: 36 runs, each starting a compiled engine), into results/bench_dynamic_vllm/share_0.5/; then
-# docs/bench_table_vllm.md and its copy in docs/performance.md (between the bench-table-vllm markers). Sized to about
-# 25-40 minutes on 2 quiet cores (45 at most). Other shares: scripts/bench_dynamic.sh --vllm (results only).
+# The same loop on TRL's colocated vLLM engine (bench.yaml's bench_tables.dynamic_vllm: GRPO β 0.04, armor_full and
+# its lazy waves, grpo_dynamic, the default gate, keep + deferred candidates, lazy waves in the loop; mixed share 0.5,
+# M = 1 and 16, 3 repetitions: 42 runs, each starting a compiled engine), into results/bench_dynamic_vllm/share_0.5/;
+# then docs/bench_table_vllm.md and its copy in docs/performance.md (between the bench-table-vllm markers). Sized to
+# about 25-45 minutes on 2 quiet cores. Other shares: scripts/bench_dynamic.sh --vllm (results only).
 bench-dynamic-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python \
 		-m benchmarks.table run --table dynamic_vllm $(BENCH_ARGS)

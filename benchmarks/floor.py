@@ -26,6 +26,11 @@ generate call by its rows: a call's fixed cost is in the price only as the base'
 over its rows); ARMOR's extra calls (a candidate call per round, a lazy wave, a refill round for a gate drop) are
 not. What the floor leaves out is what the algorithm does not require: refill rounds beyond what is missing, a
 generate call's cost beyond its rows, and the bookkeeping around the candidates.
+
+Where a variant exceeds its floor is read off the same run's time split (``parts``): the floor split into the parts
+of the step it prices (the policy's rows, the candidates, the log-prob passes, loss + backward, the rest: the base's
+measured part plus what the floor adds to it) beside the variant's measured parts, with the generate calls and rows
+per call that make a row cost more than its price.
 """
 
 from __future__ import annotations
@@ -69,9 +74,50 @@ def floor_s(base_step: float, gen_price: float, logp_price: float, candidate_row
             + logp_price * ref_rows)
 
 
+# the parts of a step the floor prices, each a sum of the time split's parts (instruments.py); anything else is "rest"
+PARTS = {
+    "policy": ("policy_gen", "policy_tools"),  # the policy's generate calls (and tool turns): its rows and refills
+    "candidates": ("anchor_gen", "anchor_tools", "anchor_score"),  # π_ref's candidates: generate, tool turns, scoring
+    "logps": ("ref_fwd",),  # the log-prob passes while batches are built (π_old's, π_ref's)
+    "loss_bwd": ("loss_bwd",),
+}
+
+
+def _split_parts(split: dict) -> dict:
+    named = {part: sum(split.get(key, 0.0) for key in keys) for part, keys in PARTS.items()}
+    named["rest"] = sum(split.values()) - sum(named.values())
+    return named
+
+
+def _per(numerator, denominator):
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def parts(entry: dict, base: dict, added: dict) -> dict:
+    """The floor's parts (the base's measured parts plus ``added``: seconds the floor adds to a part) and the
+    variant's measured parts, per optimizer step; ``unsplit``: what the medians of whole steps hold beyond their
+    parts' medians (the variant's less the floor's), so the parts' differences add up to measured − floor. Beside
+    them the work that prices a row: generate calls and rows per call, the variant's and the base's."""
+    measured, floor = _split_parts(entry["split_s"]), _split_parts(base["split_s"])
+    for part, seconds in added.items():
+        floor[part] += seconds
+    work, base_work = entry.get("work") or {}, base.get("work") or {}
+    unsplit = ((entry["cost_per_step_s"]["median"] - sum(measured.values()))
+               - (base["cost_per_step_s"]["median"] - sum(floor.values()) + sum(added.values())))
+    candidates = (entry.get("anchor_work") or {}).get("candidate_rows_per_step")
+    return {
+        "measured": measured, "floor": floor, "unsplit": unsplit,
+        "policy_calls": work.get("policy_calls"), "base_policy_calls": base_work.get("policy_calls"),
+        "candidate_calls": work.get("anchor_calls"),
+        "policy_rows_per_call": _per(work.get("policy_rows"), work.get("policy_calls")),
+        "base_policy_rows_per_call": _per(base_work.get("policy_rows"), base_work.get("policy_calls")),
+        "candidate_rows_per_call": _per(candidates, work.get("anchor_calls")),
+    }
+
+
 def _gate_groups(runs: list, name: str, m: str) -> float | None:
     dropped = [gate_dropped_groups(r, r["warmup_steps"]) for r in runs
-               if r["config"] == name and str(r["mini_batches"]) == m]
+               if r.get("config") == name and str(r.get("mini_batches")) == m]
     dropped = [d for d in dropped if d is not None]
     return statistics.median(dropped) if dropped else None
 
@@ -109,6 +155,8 @@ def _add_loop(summary: dict, runs: list, bench: BenchConfig, g: int, train_rows:
                 "gate_dropped_groups": gate_groups, "train_rows": train_rows,
                 "policy_rows": (entry.get("work") or {}).get("policy_rows"),
                 "base_policy_rows": base["work"]["policy_rows"],
+                "parts": parts(entry, base, {"policy": gen_price * gate_groups * (g - slots),
+                                             "candidates": gen_price * candidates, "logps": logp_price * train_rows}),
             }
 
 
@@ -150,6 +198,8 @@ def _add_tools(summary: dict, runs: list, bench: BenchConfig, g: int, train_rows
                 "base_policy_rows": base["work"]["policy_rows"],
                 "anchor_calls": (entry.get("work") or {}).get("anchor_calls"),
                 "anchor_turn_calls": (entry.get("work") or {}).get("anchor_turn_calls"),
+                "parts": parts(entry, base, {"policy": gen_price * (gate_groups * (g - slots) - credited),
+                                             "candidates": gen_price * candidates, "logps": logp_price * ref_rows}),
             }
 
 
@@ -158,8 +208,45 @@ def _f(v, d=3):
 
 
 def table(summary: dict) -> list:
-    """Markdown lines: each loop variant, then each tool variant, at each M against its floor."""
-    return _loop_table(summary) + _tool_table(summary)
+    """Markdown lines: each loop variant, then each tool variant, at each M against its floor, then where each
+    exceeds it."""
+    return _loop_table(summary) + _tool_table(summary) + parts_table(summary)
+
+
+PARTS_TEXT = ("Where the step differs from its floor, part by part (ms per optimizer step, measured − floor; the floor's "
+              "part is the base's measured part plus what the floor adds to it: the candidates' rows and the gate's "
+              "refills at the base's cost per row, π_ref's pass at the log-prob cost per row; benchmarks/floor.py). "
+              "*Not split*: what the medians of whole steps hold beyond their parts' medians. Beside it what prices a "
+              "row: generate calls per optimizer step and rows per call, the variant's and the base's:")
+
+
+def parts_table(summary: dict) -> list:
+    """Markdown lines: each variant with a floor at each M, its excess over the floor part by part."""
+    rows = []
+    for name, m, entry in _floors(summary, "loop") + _floors(summary, "tools"):
+        fl = entry["floor"]
+        split = fl.get("parts")
+        if not split:
+            continue
+        diff = {part: (split["measured"][part] - split["floor"][part]) * 1e3 for part in split["floor"]}
+        priced = fl["gen_s_per_row"] * 1e3
+        own = _per(split["measured"]["candidates"], fl["candidate_rows"])
+        rows.append(
+            f"| `{name}` | {m} | {_f(fl['measured_over_floor'], 2)} | "
+            f"{(entry['cost_per_step_s']['median'] - fl['floor_s']) * 1e3:+.1f} | "
+            + " | ".join(f"{diff[part]:+.1f}" for part in (*PARTS, "rest")) + f" | {split['unsplit'] * 1e3:+.1f} | "
+            f"{_f(None if own is None else own * 1e3, 2)} / {_f(priced, 2)} | "
+            f"{_f(split['policy_calls'], 3)} ({_f(split['base_policy_calls'], 3)}) + {_f(split['candidate_calls'], 3)} | "
+            f"{_f(split['policy_rows_per_call'], 1)} ({_f(split['base_policy_rows_per_call'], 1)}) / "
+            f"{_f(split['candidate_rows_per_call'], 1)} |")
+    if not rows:
+        return []
+    return ["", PARTS_TEXT, "",
+            "| variant | M | measured / floor | measured − floor | policy's rows (generate, tool turns) | candidates "
+            "(generate, tool turns, scoring) | log-prob passes | loss + backward | the rest | not split | candidate ms "
+            "per row: measured / priced | generate calls / opt step: policy (base) + candidates | rows per call: "
+            "policy (base) / candidates |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def _floors(summary: dict, kind: str) -> list:

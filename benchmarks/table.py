@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import config
+from benchmarks import config, floor
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = "main"
@@ -128,7 +128,10 @@ FLOOR_TEXT = {
 def render(result: dict, bench: config.BenchConfig, name: str = MAIN) -> str:
     """A table's markdown (what goes between the markers) from a bench run's result."""
     spec, settings = spec_of(bench, name), table_settings(bench, name)
-    summary, ms = result["regime"]["summary"], [str(m) for m in result["regime"]["meta"]["mini_batches"]]
+    regime, ms = result["regime"], [str(m) for m in result["regime"]["meta"]["mini_batches"]]
+    summary = regime["summary"]
+    # the floors again from the saved runs (a run saved before a part of the floor's report existed gets it)
+    floor.add(summary, regime["runs"], bench, result["meta"]["g"], regime["meta"]["batch"])
     lines = [spec.generated, "", provenance(result, spec), "",
              "Cost per optimizer step at M optimizer steps per rollout batch, against the row's base at the same M "
              "(ratio of medians, paired range over repetitions); the bases' own seconds per optimizer step are given.",
@@ -151,6 +154,7 @@ def render(result: dict, bench: config.BenchConfig, name: str = MAIN) -> str:
         if rows:
             lines += ["", FLOOR_TEXT[kind], "", "| variant | " + " | ".join(f"M = {m}" for m in ms) + " |",
                       "|---|" + "---|" * len(ms), *rows]
+    lines += floor.parts_table(summary)
     return "\n".join(lines)
 
 

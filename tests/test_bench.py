@@ -212,6 +212,38 @@ def test_the_floor_prices_what_armor_requires_at_the_runs_costs_per_row():
     assert judged["armor_dynamic_eligible measured / floor at M=16 <= 1.05"] is True  # 0.40 s against 0.442 s
 
 
+def test_the_floor_splits_into_the_steps_parts_and_they_add_up_to_measured_minus_floor():
+    from benchmarks import floor
+
+    bench = config.load()
+    base = _regime_entry(0.30, policy_gen=0.12, policy_rows=60)  # 2 ms per generated row
+    base["split_s"].update(loss_bwd=0.10, reward=0.01)  # parts 0.23 s of a 0.30 s median step: 0.07 s not split
+    base["work"]["policy_calls"] = 0.125
+    armor = _regime_entry(0.50, policy_gen=0.15, policy_rows=62, ref_fwd=0.03, candidates=20.0)
+    # the candidates: 20 rows in 0.2 calls per step, 0.06 s to generate (3 ms a row, priced at 2) + 0.004 s scoring
+    armor["split_s"].update(anchor_gen=0.06, anchor_score=0.004, loss_bwd=0.11, reward=0.01)
+    armor["work"].update(policy_calls=0.25, anchor_calls=0.2)
+    summary = {"grpo_dynamic": {"16": base}, "grpo_b004": {"16": _regime_entry(0.25, ref_fwd=0.064, logp_rows=64)},
+               "armor_dynamic_eligible": {"16": armor}}
+    runs = [{"config": "armor_dynamic_eligible", "mini_batches": 16, "warmup_steps": 16, "steps": [{}] * 17,
+             "dropped_by_step": [[17, 0.2, 0.2, 0.0, 40.0]]}]  # nothing dropped for want of an anchor
+    floor.add(summary, runs, bench, g=8, train_rows=32)
+    fl = summary["armor_dynamic_eligible"]["16"]["floor"]
+    parts = fl["parts"]
+    assert parts["floor"]["candidates"] == pytest.approx(0.002 * 20)
+    assert parts["measured"]["candidates"] == pytest.approx(0.064)
+    assert parts["floor"]["logps"] == pytest.approx(0.001 * 32) and parts["measured"]["logps"] == pytest.approx(0.03)
+    assert parts["floor"]["policy"] == pytest.approx(0.12) and parts["floor"]["rest"] == pytest.approx(0.01)
+    differences = sum(parts["measured"][p] - parts["floor"][p] for p in parts["floor"])
+    assert differences + parts["unsplit"] == pytest.approx(0.50 - fl["floor_s"])
+    assert parts["unsplit"] == pytest.approx((0.50 - 0.364) - 0.07)  # the parts sum to 0.364 s of 0.50
+    assert parts["candidate_rows_per_call"] == pytest.approx(100) and parts["policy_rows_per_call"] == pytest.approx(248)
+    assert parts["base_policy_rows_per_call"] == pytest.approx(480)
+    row = next(line for line in floor.parts_table(summary) if line.startswith("| `armor_dynamic_eligible` | 16 |"))
+    # measured − floor 0.50 − 0.372 s; candidates +24 ms at 3.20 ms a row against 2.00 priced
+    assert "| +128.0 | +30.0 | +24.0 | -2.0 | +10.0 | +0.0 | +66.0 | 3.20 / 2.00 | 0.250 (0.125) + 0.200 |" in row
+
+
 def _tool_entry(step, policy_gen=0.0, policy_tools=0.0, policy_rows=0, ref_fwd=0.0, logp_rows=0, candidates=None,
                 anchor_gen=0.0, anchor_tools=0.0, anchor_calls=None):
     entry = _regime_entry(step, policy_gen, policy_rows, ref_fwd, logp_rows, candidates)
@@ -262,13 +294,13 @@ def test_the_further_bench_tables_are_configured_and_rendered_with_their_floor(t
     bench = config.load()
     assert set(bench.tables) == {"tools", "dynamic_vllm"}
     vllm = bench.tables["dynamic_vllm"]
-    assert {row["variant"] for row in vllm["rows"]} == {"grpo_b004", "armor_full", "grpo_dynamic",
+    assert {row["variant"] for row in vllm["rows"]} == {"grpo_b004", "armor_full", "armor_lazy", "grpo_dynamic",
                                                         "armor_dynamic_eligible", "armor_dynamic_deferred",
                                                         "armor_dynamic_lazy"}
     assert "--vllm" in vllm["arguments"] and "--mini-batches 1,16" in vllm["arguments"]
     assert "--regime-reps 3" in vllm["arguments"] and "--mixed-share 0.5" in vllm["arguments"]
     arguments = table.bench_arguments(bench, Path("out"), "dynamic_vllm")
-    assert arguments[:2] == ["--configs", "grpo_b004,armor_full,grpo_dynamic,armor_dynamic_eligible,"
+    assert arguments[:2] == ["--configs", "grpo_b004,armor_full,armor_lazy,grpo_dynamic,armor_dynamic_eligible,"
                                           "armor_dynamic_deferred,armor_dynamic_lazy"]
     spec = table.spec_of(bench, "tools")
     assert spec.make == "bench-tools" and spec.start == "<!-- bench-table-tools:start -->"
