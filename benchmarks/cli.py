@@ -311,7 +311,8 @@ def main(argv: list | None = None) -> int:
         return 0
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    started, load_before = time.perf_counter(), list(os.getloadavg())
+    # the code measured is the checkout's when the runs start: a commit made during a run of many minutes is not it
+    started, load_before, commit = time.perf_counter(), list(os.getloadavg()), git_commit()
     measured = measure(args, bench, out / "logs")
     calibration, pregeneration, shape = measured["calibration"], measured["pregeneration"], args.shape
     result_summary = summary.summarize(measured["runs"], shape["warmup"], bench)
@@ -326,7 +327,7 @@ def main(argv: list | None = None) -> int:
             "calibration_found_frac": calibration["calibration_found_frac"], "configs": args.variants,
             "load_before": load_before, "load_after": list(os.getloadavg()), "cpus": os.cpu_count(),
             "wall_s": time.perf_counter() - started, "python": platform.python_version(), "cpu_model": cpu_model(),
-            "commit": git_commit(), "main_table": not args.no_main, "vllm": args.vllm,
+            "commit": commit, "commit_at_end": git_commit(), "main_table": not args.no_main, "vllm": args.vllm,
             "max_load": args.max_load, "load_retries": args.load_retries,
             "arch": args.arch, "device": args.device, "training_overrides": args.training,
             "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,

@@ -79,6 +79,7 @@ PARTS = {
     "policy": ("policy_gen", "policy_tools"),  # the policy's generate calls (and tool turns): its rows and refills
     "candidates": ("anchor_gen", "anchor_tools", "anchor_score"),  # π_ref's candidates: generate, tool turns, scoring
     "logps": ("ref_fwd",),  # the log-prob passes while batches are built (π_old's, π_ref's)
+    "pushes": ("push_ref", "push_policy"),  # vLLM: weights pushed into the engine (π_ref's for candidates, π_θ's)
     "loss_bwd": ("loss_bwd",),
 }
 
@@ -243,10 +244,11 @@ def parts_table(summary: dict) -> list:
         return []
     return ["", PARTS_TEXT, "",
             "| variant | M | measured / floor | measured − floor | policy's rows (generate, tool turns) | candidates "
-            "(generate, tool turns, scoring) | log-prob passes | loss + backward | the rest | not split | candidate ms "
+            "(generate, tool turns, scoring) | log-prob passes | weight pushes (vLLM) | loss + backward | the rest | not split | "
+            "candidate ms "
             "per row: measured / priced | generate calls / opt step: policy (base) + candidates | rows per call: "
             "policy (base) / candidates |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def _floors(summary: dict, kind: str) -> list:

@@ -104,6 +104,8 @@ def provenance(result: dict, spec: Spec = MAIN_SPEC) -> str:
     meta, regime = result["meta"], result["regime"]
     loads = [max(run["load"]) for run in regime["runs"] if "load" in run]
     commit = meta.get("commit") or "an unrecorded commit"
+    if meta.get("commit_at_end") not in (None, meta.get("commit")):  # the checkout changed during the run
+        commit += f" (at {meta['commit_at_end']} when it ended)"
     engine = "TRL's colocated vLLM engine" if meta.get("vllm") else "transformers generation"
     return (f"Measured by `make {spec.make}` at commit {commit} on {meta.get('cpu_model', 'an unrecorded CPU')} "
             f"({meta['cpus']} CPUs), {meta['time'][:10]}: {_count(regime['meta']['reps'], 'repetition')} per variant and M, "

@@ -241,7 +241,7 @@ def test_the_floor_splits_into_the_steps_parts_and_they_add_up_to_measured_minus
     assert parts["base_policy_rows_per_call"] == pytest.approx(480)
     row = next(line for line in floor.parts_table(summary) if line.startswith("| `armor_dynamic_eligible` | 16 |"))
     # measured − floor 0.50 − 0.372 s; candidates +24 ms at 3.20 ms a row against 2.00 priced
-    assert "| +128.0 | +30.0 | +24.0 | -2.0 | +10.0 | +0.0 | +66.0 | 3.20 / 2.00 | 0.250 (0.125) + 0.200 |" in row
+    assert "| +128.0 | +30.0 | +24.0 | -2.0 | +0.0 | +10.0 | +0.0 | +66.0 | 3.20 / 2.00 | 0.250 (0.125) + 0.200 |" in row
 
 
 def _tool_entry(step, policy_gen=0.0, policy_tools=0.0, policy_rows=0, ref_fwd=0.0, logp_rows=0, candidates=None,
@@ -292,7 +292,7 @@ def test_the_further_bench_tables_are_configured_and_rendered_with_their_floor(t
     from benchmarks import table
 
     bench = config.load()
-    assert set(bench.tables) == {"tools", "dynamic_vllm"}
+    assert set(bench.tables) == {"tools", "tools_vllm", "dynamic_vllm"}
     vllm = bench.tables["dynamic_vllm"]
     assert {row["variant"] for row in vllm["rows"]} == {"grpo_b004", "armor_full", "armor_lazy", "grpo_dynamic",
                                                         "armor_dynamic_eligible", "armor_dynamic_deferred",
@@ -354,6 +354,9 @@ def test_the_bench_table_is_rendered_from_a_run_and_copied_between_the_markers(t
     }
     block = table.render(result, bench)
     assert "commit abc1234 on Test CPU (2 CPUs)" in block and "3 repetitions" in block and "load 1.20–1.40" in block
+    result["meta"]["commit_at_end"] = "def5678+changes"  # the checkout moved on while the runs ran
+    assert "commit abc1234 (at def5678+changes when it ended) on Test CPU" in table.render(result, bench)
+    result["meta"]["commit_at_end"] = "abc1234"
     assert "(`grpo_b004`) | — | 0.250 s | 0.250 s |" in block
     assert "(`armor_full`) | `grpo_b004` | 1.11× (1.01–1.20) | 1.11× (1.01–1.20) |" in block
     assert "(`armor_dynamic_eligible`) | `grpo_dynamic` | 1.30× (1.01–1.20) |" in block
