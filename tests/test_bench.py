@@ -543,3 +543,16 @@ def test_gpu_preset_path_runs_on_cpu_at_a_small_shape(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):  # CUDA is refused where there is none, before any work
         subprocess.run([*BENCH, "--preset", "gpu", "--out", str(tmp_path / "cuda")], cwd=REPO, env=env, check=True,
                        capture_output=True, text=True, timeout=120)
+
+
+def test_the_throwaway_turn_report_gives_each_processs_share_of_its_training(tmp_path):
+    from benchmarks import throwaway_turn
+
+    ranks = [{"rank": 0, "steps": 8, "train_s": 40.0, "throwaway_turns": 0, "throwaway_s": 0.0},
+             {"rank": 1, "steps": 8, "train_s": 40.0, "throwaway_turns": 12, "throwaway_s": 1.2}]
+    for record in ranks:
+        (tmp_path / f"rank{record['rank']}.json").write_text(json.dumps(record))
+    result = throwaway_turn.report(tmp_path)
+    assert result["throwaway_share"] == [0.0, pytest.approx(0.03)]
+    assert result["throwaway_ms"] == [None, pytest.approx(100.0)]
+    assert json.loads((tmp_path / "throwaway_turn.json").read_text())["ranks"] == ranks
