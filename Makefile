@@ -173,8 +173,8 @@ bench-tools-vllm: $(VLLM_STAMP)
 		-m benchmarks.table run --table tools_vllm $(BENCH_ARGS)
 
 # What the throw-away turns cost ARMOR on the tool loop in two ZeRO-3 processes on this CPU (DeepSpeed, gloo): the
-# bench's tool agent, 8 optimizer steps; each process times its throw-away turns against its training, into
-# results/throwaway_turn/ (benchmarks/throwaway_turn.py).
+# bench's tool agent, 16 optimizer steps of one group of 4 rows per process; each process times its throw-away turns
+# against its training, into results/throwaway_turn/ (benchmarks/throwaway_turn.py). Under a minute on 2 cores.
 THROWAWAY_OUT ?= results/throwaway_turn
 bench-throwaway: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/python -m benchmarks.throwaway_turn build --out $(THROWAWAY_OUT)

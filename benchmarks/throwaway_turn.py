@@ -35,7 +35,7 @@ def build(out: Path) -> None:
     print(f"the tool agent: {agent_path(out)}")
 
 
-def run(out: Path, steps: int) -> None:
+def run(out: Path, steps: int, rows: int, g: int) -> None:
     import deepspeed.ops
     import torch
     from datasets import Dataset
@@ -51,10 +51,12 @@ def run(out: Path, steps: int) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     bench = config.load()
     variant = bench.variants["armor_tools"]
+    rank_file = out / f"rank{int(os.environ.get('RANK', 0))}.json"
+    rank_file.unlink(missing_ok=True)  # a failed run leaves no earlier run's record to report
     path = str(agent_path(out))
     args = ArmorConfig(
         **{**bench.training, "use_cpu": False}, output_dir=str(out / "trainer"), ddp_backend="gloo",
-        per_device_train_batch_size=16, num_generations=8, max_completion_length=workload.TOOL_COMPLETION,
+        per_device_train_batch_size=rows, num_generations=g, max_completion_length=workload.TOOL_COMPLETION,
         max_tool_calling_iterations=workload.TOOL_ITERATIONS, max_steps=steps, learning_rate=1e-5, seed=SEED,
         anchor_num_samples=4, anchor_reward_threshold=THRESHOLD, **variant.args,
     )
@@ -76,10 +78,11 @@ def run(out: Path, steps: int) -> None:
     trainer.train()
     train_s = time.perf_counter() - start
     record = {"rank": trainer.accelerator.process_index, "steps": trainer.state.global_step, "train_s": train_s,
+              "rows": rows, "num_generations": g,
               "throwaway_turns": timed["turns"], "throwaway_s": timed["seconds"],
               "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage,
               "tool_calls": [entry.get("tools/call_frequency") for entry in trainer.state.log_history]}
-    (out / f"rank{record['rank']}.json").write_text(json.dumps(record, indent=1))
+    rank_file.write_text(json.dumps(record, indent=1))
     trainer.accelerator.wait_for_everyone()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -95,7 +98,7 @@ def report(out: Path) -> dict:
                                for r in ranks]}
     (out / "throwaway_turn.json").write_text(json.dumps(result, indent=1))
     for r, share, ms in zip(ranks, result["throwaway_share"], result["throwaway_ms"]):
-        print(f"rank {r['rank']}: {r['throwaway_turns']} throw-away turns in {r['steps']} steps, "
+        print(f"rank {r['rank']}: {r['throwaway_turns']} throw-away turns in {r['steps']} steps of {r.get('rows')} rows, "
               f"{r['throwaway_s']:.2f} s of {r['train_s']:.1f} s training ({100 * share:.1f}%)"
               + ("" if ms is None else f", {ms:.0f} ms each"))
     return result
@@ -105,11 +108,14 @@ def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=("build", "run", "report"))
     parser.add_argument("--out", default="results/throwaway_turn", help="the folder of the agent and the results")
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps of the run")
+    parser.add_argument("--steps", type=int, default=16, help="optimizer steps of the run")
+    # one group per process: the fewer a process's rows, the likelier its loop ends before another's
+    parser.add_argument("--rows", type=int, default=4, help="rows per process and optimizer step")
+    parser.add_argument("--g", type=int, default=4, help="num_generations")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    {"build": lambda: build(out), "run": lambda: run(out, args.steps), "report": lambda: report(out)}[args.command]()
+    {"build": lambda: build(out), "run": lambda: run(out, args.steps, args.rows, args.g), "report": lambda: report(out)}[args.command]()
     return 0
 
 
