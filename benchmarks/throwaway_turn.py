@@ -60,9 +60,9 @@ def run(out: Path, steps: int, rows: int, g: int) -> None:
         max_tool_calling_iterations=workload.TOOL_ITERATIONS, max_steps=steps, learning_rate=1e-5, seed=SEED,
         anchor_num_samples=4, anchor_reward_threshold=THRESHOLD, **variant.args,
     )
-    rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in workload.make_prompts(64, SEED)]
+    prompts = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in workload.make_prompts(64, SEED)]
     trainer = ArmorGRPOTrainer(model=path, reward_funcs=workload.reward_for(variant, THRESHOLD), args=args,
-                               train_dataset=Dataset.from_list(rows), processing_class=AutoTokenizer.from_pretrained(path),
+                               train_dataset=Dataset.from_list(prompts), processing_class=AutoTokenizer.from_pretrained(path),
                                tools=workload.tool_functions(variant))
     timed = {"turns": 0, "seconds": 0.0}
     throwaway = trl_generation.throwaway_turn
