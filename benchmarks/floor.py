@@ -28,8 +28,8 @@ not. What the floor leaves out is what the algorithm does not require: refill ro
 generate call's cost beyond its rows, and the bookkeeping around the candidates.
 
 Where a variant exceeds its floor is read off the same run's time split (``parts``): the floor split into the parts
-of the step it prices (the policy's rows, the candidates, the log-prob passes, loss + backward, the rest: the base's
-measured part plus what the floor adds to it) beside the variant's measured parts, with the generate calls and rows
+of the step it prices (the policy's rows, the candidates, the log-prob passes, vLLM's weight pushes, loss +
+backward, the rest: the base's measured part plus what the floor adds to it) beside the variant's measured parts, with the generate calls and rows
 per call that make a row cost more than its price.
 """
 
@@ -244,10 +244,9 @@ def parts_table(summary: dict) -> list:
         return []
     return ["", PARTS_TEXT, "",
             "| variant | M | measured / floor | measured − floor | policy's rows (generate, tool turns) | candidates "
-            "(generate, tool turns, scoring) | log-prob passes | weight pushes (vLLM) | loss + backward | the rest | not split | "
-            "candidate ms "
-            "per row: measured / priced | generate calls / opt step: policy (base) + candidates | rows per call: "
-            "policy (base) / candidates |",
+            "(generate, tool turns, scoring) | log-prob passes | weight pushes (vLLM) | loss + backward | the rest | "
+            "not split | candidate ms per row: measured / priced | generate calls / opt step: policy (base) + "
+            "candidates | rows per call: policy (base) / candidates |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
