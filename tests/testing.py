@@ -471,14 +471,17 @@ def allow_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = init_keeping_fsdp
 
 
-def end_process_group(trainer) -> None:
-    """End a launch script's process group after a clean run: wait for every rank, then destroy the group. A gloo
-    thread still alive at interpreter exit aborted launches now and then ("terminate called without an active
-    exception"), an FSDP2 agent launch under load and a vLLM server-mode launch in a clean-clone `make test`. Not
-    after a failed collective (a rank left waiting would hang): call it where the run ended without an error."""
+def end_launch(trainer) -> None:
+    """End a launch script after a clean run (its record written): wait for every rank, then leave at once, without
+    the interpreter's teardown. Launches aborted now and then after every rank had written its record, under load
+    ("terminate called without an active exception": an FSDP2 agent launch, a vLLM server-mode launch in a
+    clean-clone `make test`), with and without ``destroy_process_group`` first: the abort is in the teardown of
+    torch.distributed's C++ state, which ``os._exit`` skips. Not after a failed collective (a rank left waiting would
+    hang): call it where the run ended without an error."""
     trainer.accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:

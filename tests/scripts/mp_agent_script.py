@@ -42,7 +42,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
 from mp_train_script import checksum, full_params, is_sharded, skip_deepspeed_shm_comm_op  # noqa: E402
-from testing import ToolFake, answer_reward, chat_numbers, end_process_group, multiply, tool_call  # noqa: E402
+from testing import ToolFake, answer_reward, chat_numbers, end_launch, multiply, tool_call  # noqa: E402
 
 
 def rank() -> int:
@@ -152,7 +152,7 @@ def main():
     }
     with open(os.path.join(cli.out, f"rank{process}.json"), "w") as f:
         json.dump(record, f)
-    end_process_group(trainer)
+    end_launch(trainer)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
-from testing import DrawToolFake, answer_reward, chat_numbers, end_process_group, multiply, scripted  # noqa: E402
+from testing import DrawToolFake, answer_reward, chat_numbers, end_launch, multiply, scripted  # noqa: E402
 
 
 class Recording(ArmorGRPOTrainer):
@@ -87,7 +87,7 @@ def main():
     }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
         json.dump(result, f)
-    end_process_group(trainer)
+    end_launch(trainer)
 
 
 if __name__ == "__main__":

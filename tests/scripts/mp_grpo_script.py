@@ -29,7 +29,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from mp_train_script import checksum, full_params, is_sharded  # noqa: E402
-from testing import cpu_args, end_process_group, has_digit_reward  # noqa: E402
+from testing import cpu_args, end_launch, has_digit_reward  # noqa: E402
 
 
 def main():
@@ -56,7 +56,7 @@ def main():
     }
     with open(os.path.join(cli.out, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)
-    end_process_group(trainer)
+    end_launch(trainer)
 
 
 if __name__ == "__main__":

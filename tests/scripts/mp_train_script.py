@@ -52,7 +52,7 @@ from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 from armor_trl import ArmorConfig, ArmorGRPOTrainer
 
 from armor_trl.callbacks import evaluation, validation  # noqa: E402
-from testing import end_process_group  # noqa: E402
+from testing import end_launch  # noqa: E402
 
 # What the reward function saw on this process: the phase is "candidates" while the trainer scores reference
 # candidates for anchors and "rollout" otherwise.
@@ -415,7 +415,7 @@ def main(argv=None):
         }
     with open(os.path.join(cli.out, f"rank{result['rank']}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
-    end_process_group(trainer)
+    end_launch(trainer)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
 from armor_trl import ArmorConfig, ArmorGRPOTrainer  # noqa: E402
-from testing import chat_numbers, end_process_group, last_tool_result, multiply, tool_call  # noqa: E402
+from testing import chat_numbers, end_launch, last_tool_result, multiply, tool_call  # noqa: E402
 
 
 def answer(prompt_text: str) -> str:
@@ -132,7 +132,7 @@ def main():
     with open(os.path.join(cli.out, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(record, f)
     if error is None:  # not after a failed collective
-        end_process_group(trainer)
+        end_launch(trainer)
 
 
 if __name__ == "__main__":
