@@ -23,25 +23,19 @@ HIDDEN, LAYERS, SEED = 128, 3, 0  # the bench's tiny model (bench.yaml's full pr
 THRESHOLD = 0.128  # the bench's calibrated anchor threshold for that model (its logs); it sets how many anchors pass
 
 
-def agent_path(out: Path) -> Path:
+def build(out: Path) -> None:
+    """The bench's tool agent (150 warm-start steps), written next to this folder's model path, once: before the
+    processes start, so that they do not both build it."""
     from benchmarks import workload
 
-    # the bench's tool agent (150 warm-start steps), written once next to a model path of this folder
-    return Path(workload.tool_agent({"model_path": str(out / "model"), "seed": SEED, "hidden": HIDDEN,
-                                     "layers": LAYERS, "threads": 1}))
-
-
-def build(out: Path) -> None:
-    print(f"the tool agent: {agent_path(out)}")
+    print("the tool agent:", workload.tool_agent({"model_path": str(out / "model"), "seed": SEED, "hidden": HIDDEN,
+                                                  "layers": LAYERS, "threads": 1}))
 
 
 def run(out: Path, steps: int, rows: int, g: int) -> None:
     import deepspeed.ops
     import torch
-    from datasets import Dataset
-    from transformers import AutoTokenizer
 
-    from armor_trl import ArmorConfig, ArmorGRPOTrainer
     from armor_trl.integration import trl_generation
     from benchmarks import config, workload
 
@@ -50,20 +44,14 @@ def run(out: Path, steps: int, rows: int, g: int) -> None:
     # mp_train_script.py's skip_deepspeed_shm_comm_op)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     bench = config.load()
-    variant = bench.variants["armor_tools"]
     rank_file = out / f"rank{int(os.environ.get('RANK', 0))}.json"
     rank_file.unlink(missing_ok=True)  # a failed run leaves no earlier run's record to report
-    path = str(agent_path(out))
-    args = ArmorConfig(
-        **{**bench.training, "use_cpu": False}, output_dir=str(out / "trainer"), ddp_backend="gloo",
-        per_device_train_batch_size=rows, num_generations=g, max_completion_length=workload.TOOL_COMPLETION,
-        max_tool_calling_iterations=workload.TOOL_ITERATIONS, max_steps=steps, learning_rate=1e-5, seed=SEED,
-        anchor_num_samples=4, anchor_reward_threshold=THRESHOLD, **variant.args,
-    )
-    prompts = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in workload.make_prompts(64, SEED)]
-    trainer = ArmorGRPOTrainer(model=path, reward_funcs=workload.reward_for(variant, THRESHOLD), args=args,
-                               train_dataset=Dataset.from_list(prompts), processing_class=AutoTokenizer.from_pretrained(path),
-                               tools=workload.tool_functions(variant))
+    # the bench's own trainer for armor_tools (its tool agent, prompts, reward and tools), in ZeRO-3 processes
+    task = {"model_path": str(out / "model"), "output_dir": str(out / "trainer"), "batch": rows, "g": g,
+            "completion": workload.TOOL_COMPLETION, "steps": steps, "lr": 1e-5, "seed": SEED, "k": 4,
+            "threshold": THRESHOLD, "prompts": 64, "hidden": HIDDEN, "layers": LAYERS, "threads": 1,
+            "training": {"use_cpu": False, "ddp_backend": "gloo"}}
+    trainer, _ = workload.build_trainer(task, bench.variants["armor_tools"], bench)
     timed = {"turns": 0, "seconds": 0.0}
     throwaway = trl_generation.throwaway_turn
 
